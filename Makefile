@@ -1,0 +1,31 @@
+# Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+PIP   := $(VENV)/bin/pip
+TORCH := torch==2.13.0
+
+.PHONY: demo test etcd venv bench clean
+
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { apt-get update && apt-get install -y etcd-server; }
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -q $(TORCH)
+	$(PIP) install --disable-pip-version-check -q -e '.[train,report,test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: etcd venv
+	$(VENV)/bin/regroup demo $(ARGS)
+
+test: etcd venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: etcd venv
+	$(PY) -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,181 @@
+"""A local etcd server process on loopback: for `regroup demo`, tests and benchmarks.
+
+Starts the real ``etcd`` binary on free loopback ports with its data in a given
+directory, waits until it answers, and can be stopped, killed and restarted on the
+same ports and data (to test that clients ride out an etcd restart).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class TlsFiles:
+    """Server and client certificates for a TLS etcd (see ``make_tls_files``)."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+@dataclass
+class EtcdServer:
+    """One etcd member on 127.0.0.1. Use ``start()``/``stop()`` or as a context manager."""
+
+    data_dir: Path
+    enable_v2: bool = False
+    tls: TlsFiles | None = None
+    host: str = "127.0.0.1"
+    client_port: int = field(default_factory=free_port)
+    peer_port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` as torchrun's ``--rdzv-endpoint`` and regroup expect it."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise FileNotFoundError("etcd binary not found: apt-get install -y etcd-server")
+        peer = f"http://{self.host}:{self.peer_port}"
+        args = [
+            binary,
+            "--name", "regroup-local",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"regroup-local={peer}",
+            "--log-level", "error",
+        ]  # fmt: skip
+        if self.enable_v2:
+            args.append("--enable-v2")
+        if self.tls is not None:
+            args += [
+                "--cert-file", str(self.tls.server_cert),
+                "--key-file", str(self.tls.server_key),
+                "--trusted-ca-file", str(self.tls.ca),
+                "--client-cert-auth",
+            ]  # fmt: skip
+        return args + list(self.extra_args)
+
+    def start(self, timeout: float = 30.0) -> EtcdServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_path or self.data_dir.parent / f"etcd-{self.client_port}.log"
+        with open(log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")},
+            )  # fmt: skip
+        self.wait_ready(timeout, log_path)
+        return self
+
+    def wait_ready(self, timeout: float, log_path: Path | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                tail = log_path.read_text()[-2000:] if log_path and log_path.exists() else ""
+                raise RuntimeError(f"etcd exited with {self._proc.returncode}: {tail}")
+            if self._healthy():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"etcd at {self.url} not ready after {timeout}s")
+
+    def _healthy(self) -> bool:
+        if self.tls is not None:
+            # /health needs a client certificate; a TCP accept is enough to move on, the
+            # first client request retries until the server is serving.
+            try:
+                with socket.create_connection((self.host, self.client_port), timeout=0.2):
+                    return True
+            except OSError:
+                return False
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as response:
+                return b"true" in response.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM, then SIGKILL)."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def kill(self) -> None:
+        """Kill abruptly, as a crashed etcd."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop and start again on the same ports and data."""
+        self.stop()
+        self.start(timeout)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def make_tls_files(directory: Path, host: str = "127.0.0.1") -> TlsFiles:
+    """A throwaway CA with a server and a client certificate, via the openssl CLI."""
+    directory.mkdir(parents=True, exist_ok=True)
+    d = directory
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=regroup-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    (d / "san.ext").write_text(f"subjectAltName=IP:{host},DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for name, cn in (("server", "etcd"), ("client", "regroup")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "san.ext", "-out", f"{name}.crt")  # fmt: skip
+    return TlsFiles(d / "ca.crt", d / "server.crt", d / "server.key", d / "client.crt", d / "client.key")

@@ -1,0 +1,156 @@
+"""Versioned JSON records stored under the keys of ``regroup.keys``.
+
+Every record is a frozen dataclass written as JSON with a ``"v"`` field. Readers
+accept unknown fields (a newer writer may add some) and refuse a newer major
+version with a clear error, so pods of two versions can share a job. Never pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+SCHEMA_VERSION = 1
+
+
+class RecordError(ValueError):
+    """A stored value is not a valid record of the expected kind."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """Base of all records: JSON encoding with a schema version."""
+
+    kind: ClassVar[str] = "record"
+
+    def to_json(self) -> bytes:
+        body = {"v": SCHEMA_VERSION, "kind": self.kind, **dataclasses.asdict(self)}
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Self:
+        try:
+            body = json.loads(raw)
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"{cls.kind}: not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise RecordError(f"{cls.kind}: expected a JSON object")
+        version = body.get("v")
+        if not isinstance(version, int):
+            raise RecordError(f"{cls.kind}: missing schema version 'v'")
+        if version > SCHEMA_VERSION:
+            raise RecordError(
+                f"{cls.kind}: schema v{version} is newer than this reader (v{SCHEMA_VERSION}); upgrade regroup"
+            )
+        if body.get("kind", cls.kind) != cls.kind:
+            raise RecordError(f"expected a {cls.kind} record, got {body.get('kind')!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in body.items() if k in names})
+        except TypeError as exc:
+            raise RecordError(f"{cls.kind}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class MemberRecord(Record):
+    """One live torchrun agent (``members/<node>``), bound to the agent's etcd lease."""
+
+    kind: ClassVar[str] = "member"
+    node: str
+    pod: str
+    namespace: str
+    round: int
+    local_world_size: int
+    restart_count: int = 0
+    """How many times this node's workers failed and were restarted by its agent."""
+    host: str = ""
+    """Address the agent is reachable at (for round-scoped stores)."""
+    joined_at: float = 0.0
+    """Unix time the agent registered."""
+
+
+@dataclass(frozen=True)
+class ControllerPresence(Record):
+    """Written by the controller, bound to its lease: while present, agents do not
+    re-form on their own when nodes join; the controller batches joins and checkpoints first."""
+
+    kind: ClassVar[str] = "controller"
+    identity: str
+    since: float
+
+
+@dataclass(frozen=True)
+class ExpectedMembership(Record):
+    """The exact nodes of the next round (``control/expected``).
+
+    The round closes the moment exactly these nodes (at least min) have joined, with no
+    last-call wait. A node not listed leaves cleanly. A generation applies once: the
+    rendezvous records the generation it consumed and ignores it afterwards.
+    """
+
+    kind: ClassVar[str] = "expected"
+    generation: int
+    nodes: list[str]
+    reason: str = ""
+    traceparent: str = ""
+
+
+@dataclass(frozen=True)
+class ReformRequest(Record):
+    """``control/reform``: every agent whose round predates this generation stops its
+    workers and re-rendezvouses within one monitor interval."""
+
+    kind: ClassVar[str] = "reform"
+    generation: int
+    cause: str
+    reason: str = ""
+    traceparent: str = ""
+    requested_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointRequest(Record):
+    """``control/checkpoint``: all ranks agree on one step boundary, save, and rank 0
+    acks under ``acks/<generation>/commit``. With ``hold``, the trainer then waits at that
+    boundary (until ``deadline``) for the re-form instead of training on, so no step is lost."""
+
+    kind: ClassVar[str] = "checkpoint"
+    generation: int
+    deadline: float
+    """Unix time after which the request is stale and ignored."""
+    hold: bool = True
+    reason: str = ""
+    traceparent: str = ""
+    requested_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointAck(Record):
+    """``acks/<generation>/commit``: the checkpoint for a request is committed on disk."""
+
+    kind: ClassVar[str] = "ack"
+    generation: int
+    step: int
+    checkpoint_id: str
+    duration_s: float
+    world_size: int
+    acked_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Progress(Record):
+    """``progress``: rank 0's last completed step."""
+
+    kind: ClassVar[str] = "progress"
+    step: int
+    loss: float
+    samples_seen: int
+    world_size: int
+    time: float
+    tokens_per_s: float = 0.0
+    resumed_from_step: int = 0
+    """Step of the checkpoint this incarnation of the trainer resumed from (0: fresh start)."""
+    restart_count: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
