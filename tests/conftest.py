@@ -15,6 +15,8 @@ from regroup.etcd_server import EtcdServer
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["tests.kubeapi.fixtures"]
+
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
