@@ -1,0 +1,1 @@
+"""Benchmarks. Each compares regroup with its anchor in the same run and reports ratios."""
