@@ -1,0 +1,453 @@
+"""What the API server does to an object on create, update, patch, delete and eviction.
+
+The rules follow the real registry strategies of the served types: server-set metadata,
+resourceVersion preconditions, status-subresource isolation, graceful pod deletion,
+finalizers, and the validation that catches the mistakes a client is likely to make.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from tests.kubeapi import patches
+from tests.kubeapi.errors import (
+    ApiError,
+    already_exists,
+    bad_request,
+    conflict,
+    invalid,
+    not_found,
+)
+from tests.kubeapi.event_rules import event_causes
+from tests.kubeapi.jsontree import clone
+from tests.kubeapi.resources import CANONICAL, NAMESPACES, PODS, Resource
+from tests.kubeapi.store import Key, Store
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# metadata fields only the server sets; a client's values are ignored (or checked, for uid)
+_SERVER_META = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation")
+
+WHOLE_OBJECT = "*"
+"""Subresource value for in-process writes by tests, which may change spec and status at once."""
+
+PATCH_TYPES = {
+    "application/merge-patch+json": "merge",
+    "application/strategic-merge-patch+json": "strategic",
+    "application/json-patch+json": "json",
+}
+
+
+def timestamp(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class DeleteOptions:
+    """The parts of metav1.DeleteOptions the stand-in honours."""
+
+    grace_period_seconds: int | None = None
+    """None: the object's own default (a pod's terminationGracePeriodSeconds, else 30)."""
+    uid: str | None = None
+    """Precondition: delete only if the object still has this uid."""
+    resource_version: str | None = None
+    """Precondition: delete only if the object is still at this resourceVersion."""
+
+    @classmethod
+    def parse(cls, body: dict[str, Any] | None, query_grace: str | None) -> DeleteOptions:
+        body = body or {}
+        grace = body.get("gracePeriodSeconds")
+        if query_grace is not None:
+            grace = _integer(query_grace, "gracePeriodSeconds")
+        if grace is not None and (not isinstance(grace, int) or grace < 0):
+            raise bad_request(f"gracePeriodSeconds: must be a non-negative integer, got {grace!r}")
+        pre = body.get("preconditions") or {}
+        return cls(grace, pre.get("uid"), pre.get("resourceVersion"))
+
+
+def _integer(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise bad_request(f"{name}: {text!r} is not an integer") from None
+
+
+class Registry:
+    """Applies the API server's rules, then writes through the Store.
+
+    Objects returned are the stored ones: read them, never change them in place."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], datetime],
+        seed: int,
+        graceful_pod_deletion: bool,
+    ) -> None:
+        self.store = store
+        self._clock = clock
+        self._random = random.Random(seed)
+        self.graceful_pod_deletion = graceful_pod_deletion
+        """When true, deleting a running pod over HTTP only marks it (deletionTimestamp) and a
+        test finishes the deletion, as a kubelet would; when false, the pod goes at once."""
+        self.eviction_blocks: dict[Key, str] = {}
+        """Pods whose eviction a PodDisruptionBudget (named by the value) refuses with 429."""
+
+    # --- reads -------------------------------------------------------------------------
+
+    def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any]:
+        obj = self.store.get(resource.storage, (namespace, name))
+        if obj is None:
+            raise not_found(resource.qualified, name, resource.group, resource.plural)
+        return obj
+
+    # --- create ------------------------------------------------------------------------
+
+    def create(self, resource: Resource, obj: dict[str, Any], namespace: str, *, from_client: bool) -> dict[str, Any]:
+        """Creates `obj`, given in `resource`'s representation. `from_client`: an HTTP request, so
+        server-owned fields are reset and the namespace must exist; tests calling in-process
+        may set status and get namespaces made for them."""
+        obj = self._typed(resource, clone(obj))
+        meta = obj.setdefault("metadata", {})
+        if not isinstance(meta, dict):
+            raise bad_request("metadata: must be an object")
+        namespace = self._check_namespace(resource, meta, namespace)
+        if not meta.get("name"):
+            prefix = meta.get("generateName")
+            if not prefix:
+                raise invalid(
+                    resource.kind,
+                    "",
+                    resource.group,
+                    [("metadata.name", "FieldValueRequired", "Required value: name or generateName is required")],
+                )
+            meta["name"] = prefix + "".join(self._random.choices(string.ascii_lowercase + string.digits, k=5))
+        self._check_name(resource, meta["name"])
+        if resource.namespaced:
+            self._require_namespace(namespace, create=not from_client)
+        if self.store.get(resource.storage, (namespace, meta["name"])) is not None:
+            raise already_exists(resource.qualified, meta["name"], resource.group, resource.plural)
+        for name in _SERVER_META + ("resourceVersion", "selfLink"):
+            meta.pop(name, None)
+        meta["uid"] = str(uuid.UUID(int=self._random.getrandbits(128), version=4))
+        meta["creationTimestamp"] = timestamp(self._clock())
+        meta["generation"] = 1
+        if from_client and resource.reset_status_on_create is not None:
+            obj["status"] = clone(resource.reset_status_on_create)
+        elif resource is NAMESPACES:
+            obj.setdefault("status", {"phase": "Active"})
+        self._validate(resource, obj, creating=True)
+        return self.store.put(resource.storage, obj)
+
+    # --- update and patch --------------------------------------------------------------
+
+    def replace(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        obj: dict[str, Any],
+        *,
+        subresource: str | None,
+        from_client: bool = True,
+    ) -> tuple[dict[str, Any], bool]:
+        """PUT. Returns (stored, created)."""
+        body, obj = obj, self._typed(resource, clone(obj))
+        meta = obj.setdefault("metadata", {})
+        self._check_namespace(resource, meta, namespace)
+        if meta.get("name") != name:
+            raise bad_request(
+                f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})"
+            )
+        old = self.store.get(resource.storage, (namespace, name))
+        if old is None:
+            if resource.create_on_update and subresource is None:
+                return self.create(resource, body, namespace, from_client=from_client), True
+            raise not_found(resource.qualified, name, resource.group, resource.plural)
+        if not meta.get("resourceVersion") and not resource.unconditional_update:
+            raise invalid(
+                resource.kind,
+                name,
+                resource.group,
+                [
+                    (
+                        "metadata.resourceVersion",
+                        "FieldValueInvalid",
+                        "Invalid value: 0x0: must be specified for an update",
+                    )
+                ],
+            )
+        return self._update(resource, old, obj, subresource), False
+
+    def patch(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        patch: Any,
+        patch_type: str,
+        *,
+        subresource: str | None,
+    ) -> dict[str, Any]:
+        """PATCH with patch_type "merge", "strategic" or "json", applied to the resource's representation."""
+        old = self.store.get(resource.storage, (namespace, name))
+        if old is None:
+            raise not_found(resource.qualified, name, resource.group, resource.plural)
+        current = resource.wire(old)  # the patch functions build a new document
+        if patch_type == "merge":
+            patched = patches.merge_patch(current, patch)
+        elif patch_type == "strategic":
+            patched = patches.strategic_merge_patch(current, patch, resource.merge_lists)
+        elif patch_type == "json":
+            patched = patches.json_patch(current, patch)
+        else:
+            raise ApiError(415, f"patch_type: {patch_type!r} is not one of merge, strategic, json")
+        if not isinstance(patched, dict):
+            raise ApiError(422, "the patched object is not a JSON object")
+        patched = resource.unwire(patched)
+        meta = patched.setdefault("metadata", {})
+        if meta.get("name") != name or meta.get("namespace", "") != namespace:
+            raise bad_request("metadata.name and metadata.namespace cannot be changed by a patch")
+        return self._update(resource, old, patched, subresource)
+
+    def _update(
+        self, resource: Resource, old: dict[str, Any], new: dict[str, Any], subresource: str | None
+    ) -> dict[str, Any]:
+        name = old["metadata"]["name"]
+        # Only the top level and metadata are written below; copy those, share the rest.
+        new = {**new, "metadata": dict(new.get("metadata") or {})}
+        meta = new["metadata"]
+        rv = meta.get("resourceVersion")
+        if rv and rv != old["metadata"]["resourceVersion"]:
+            raise conflict(
+                resource.qualified,
+                name,
+                resource.group,
+                resource.plural,
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
+        if meta.get("uid") and meta["uid"] != old["metadata"]["uid"]:
+            raise conflict(
+                resource.qualified,
+                name,
+                resource.group,
+                resource.plural,
+                f"Precondition failed: UID in precondition: {meta['uid']}, "
+                f"UID in object meta: {old['metadata']['uid']}",
+            )
+        if subresource == "status":
+            merged = {**old, "metadata": dict(old["metadata"])}
+            if "status" in new:
+                merged["status"] = new["status"]
+            else:
+                merged.pop("status", None)
+            new = merged
+        else:
+            if resource.status_subresource and subresource != WHOLE_OBJECT:
+                if "status" in old:
+                    new["status"] = old["status"]
+                else:
+                    new.pop("status", None)
+            for field_name in _SERVER_META:
+                if field_name in old["metadata"]:
+                    meta[field_name] = old["metadata"][field_name]
+                else:
+                    meta.pop(field_name, None)
+        new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+        self._validate(resource, new, creating=False)
+        if new == old:
+            return old  # a no-op write is not committed: no new revision, no event
+        if _spec_of(new) != _spec_of(old):
+            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            if not new["metadata"].get("deletionGracePeriodSeconds"):
+                return self.store.remove(resource.storage, (new["metadata"].get("namespace", ""), name))
+        return self.store.put(resource.storage, new)
+
+    # --- delete and evict --------------------------------------------------------------
+
+    def delete(
+        self, resource: Resource, namespace: str, name: str, options: DeleteOptions, *, from_client: bool
+    ) -> dict[str, Any]:
+        """DELETE; returns the deleted object, or the object marked for deletion."""
+        key = (namespace, name)
+        old = self.store.get(resource.storage, key)
+        if old is None:
+            raise not_found(resource.qualified, name, resource.group, resource.plural)
+        if options.uid is not None and options.uid != old["metadata"]["uid"]:
+            raise conflict(
+                resource.qualified,
+                name,
+                resource.group,
+                resource.plural,
+                f"Precondition failed: UID in precondition: {options.uid}, "
+                f"UID in object meta: {old['metadata']['uid']}",
+            )
+        if options.resource_version is not None and options.resource_version != old["metadata"]["resourceVersion"]:
+            raise conflict(
+                resource.qualified,
+                name,
+                resource.group,
+                resource.plural,
+                "Precondition failed: ResourceVersion in precondition: "
+                f"{options.resource_version}, ResourceVersion in object meta: {old['metadata']['resourceVersion']}",
+            )
+        grace = self._grace_period(resource, old, options) if from_client else 0
+        if grace > 0:
+            return self._mark_deleted(resource, old, grace)
+        if old["metadata"].get("finalizers"):
+            return self._mark_deleted(resource, old, 0)
+        if resource is NAMESPACES:
+            self._delete_namespace_contents(name)
+        return self.store.remove(resource.storage, key)
+
+    def evict(self, namespace: str, name: str, eviction: dict[str, Any]) -> None:
+        """POST pods/<name>/eviction: deletes the pod unless a disruption budget blocks it (429)."""
+        if not isinstance(eviction, dict):
+            raise bad_request("the request body must be a policy/v1 Eviction")
+        # As for any body, a missing kind defaults to the endpoint's.
+        if eviction.get("kind", "Eviction") != "Eviction":
+            raise bad_request(f"kind: expected Eviction, got {eviction.get('kind')!r}")
+        meta = eviction.get("metadata") or {}
+        if meta.get("name") != name:
+            raise bad_request(f"name in URL does not match name in Eviction object: {meta.get('name')!r} != {name!r}")
+        if meta.get("namespace", namespace) != namespace:
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        pod = self.get(PODS, namespace, name)
+        phase = (pod.get("status") or {}).get("phase")
+        budget = self.eviction_blocks.get((namespace, name))
+        # Pods that are not running (yet or any more) may always be evicted, as in the eviction REST handler.
+        if budget is not None and phase not in ("Pending", "Succeeded", "Failed"):
+            raise ApiError(
+                429,
+                "Cannot evict pod as it would violate the pod's disruption budget.",
+                details={
+                    "causes": [
+                        {
+                            "reason": "DisruptionBudget",
+                            "message": f"The disruption budget {budget} needs 1 healthy pods and has 1 currently",
+                        }
+                    ]
+                },
+            )
+        options = DeleteOptions.parse(eviction.get("deleteOptions"), None)
+        if pod["metadata"].get("deletionTimestamp") and options.grace_period_seconds is None:
+            return
+        self.delete(PODS, namespace, name, options, from_client=True)
+
+    def _grace_period(self, resource: Resource, obj: dict[str, Any], options: DeleteOptions) -> int:
+        if resource is not PODS or not self.graceful_pod_deletion:
+            return 0
+        spec, status = obj.get("spec") or {}, obj.get("status") or {}
+        # An unscheduled or finished pod has no kubelet to wait for (pod strategy CheckGracefulDelete).
+        if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+            return 0
+        if options.grace_period_seconds is not None:
+            return options.grace_period_seconds
+        return int(spec.get("terminationGracePeriodSeconds", 30))
+
+    def _mark_deleted(self, resource: Resource, old: dict[str, Any], grace: int) -> dict[str, Any]:
+        meta = old["metadata"]
+        if meta.get("deletionTimestamp") and grace >= meta.get("deletionGracePeriodSeconds", 0):
+            return old  # already terminating with a shorter or equal grace period
+        marked = {**old, "metadata": dict(meta)}
+        marked["metadata"]["deletionTimestamp"] = timestamp(self._clock() + timedelta(seconds=grace))
+        marked["metadata"]["deletionGracePeriodSeconds"] = grace
+        marked["metadata"]["generation"] = meta.get("generation", 1) + 1
+        return self.store.put(resource.storage, marked)
+
+    def _delete_namespace_contents(self, namespace: str) -> None:
+        for resource in CANONICAL.values():
+            if resource.namespaced:
+                for key in [k for k in self.store.items(resource.storage) if k[0] == namespace]:
+                    self.store.remove(resource.storage, key)
+
+    # --- checks ------------------------------------------------------------------------
+
+    def _require_namespace(self, namespace: str, *, create: bool) -> None:
+        if self.store.get(NAMESPACES.storage, ("", namespace)) is not None:
+            return
+        if not create:
+            raise not_found("namespaces", namespace, "", "namespaces")
+        self.create(
+            NAMESPACES,
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            "",
+            from_client=False,
+        )
+
+    @staticmethod
+    def _typed(resource: Resource, obj: Any) -> dict[str, Any]:
+        """The stored form of a request body; a missing apiVersion/kind defaults to the endpoint's."""
+        if not isinstance(obj, dict):
+            raise bad_request("the request body must be a JSON object")
+        api_version = obj.setdefault("apiVersion", resource.api_version)
+        kind = obj.setdefault("kind", resource.kind)
+        if (api_version, kind) != (resource.api_version, resource.kind):
+            raise bad_request(
+                f"apiVersion/kind: {api_version}/{kind} does not match the endpoint's "
+                f"{resource.api_version}/{resource.kind}"
+            )
+        return resource.unwire(obj)
+
+    @staticmethod
+    def _check_namespace(resource: Resource, meta: dict[str, Any], namespace: str) -> str:
+        if not resource.namespaced:
+            meta.pop("namespace", None)
+            return ""
+        given = meta.get("namespace")
+        if given and given != namespace:
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        meta["namespace"] = namespace
+        return namespace
+
+    @staticmethod
+    def _check_name(resource: Resource, name: str) -> None:
+        pattern, limit = (_DNS_LABEL, 63) if resource is NAMESPACES else (_DNS_SUBDOMAIN, 253)
+        if not isinstance(name, str) or not pattern.match(name) or len(name) > limit:
+            raise invalid(
+                resource.kind,
+                str(name),
+                resource.group,
+                [
+                    (
+                        "metadata.name",
+                        "FieldValueInvalid",
+                        f"Invalid value: {name!r}: a lowercase RFC 1123 "
+                        f"{'label' if resource is NAMESPACES else 'subdomain'} must consist of lower case "
+                        "alphanumeric characters, '-' or '.'",
+                    )
+                ],
+            )
+
+    @staticmethod
+    def _validate(resource: Resource, obj: dict[str, Any], *, creating: bool) -> None:
+        meta = obj["metadata"]
+        for field_name in ("labels", "annotations"):
+            values = meta.get(field_name)
+            if values is not None and (
+                not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values())
+            ):
+                raise invalid(
+                    resource.kind,
+                    meta["name"],
+                    resource.group,
+                    [(f"metadata.{field_name}", "FieldValueInvalid", "Invalid value: values must be strings")],
+                )
+        if resource.storage == "events":
+            causes = event_causes(obj, events_api=resource.from_wire is not None, creating=creating)
+            if causes:
+                raise invalid(resource.kind, meta["name"], resource.group, causes)
+
+
+def _spec_of(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
