@@ -1,0 +1,103 @@
+"""Launching real torchrun jobs of the trainer and reading what they left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from trainer.checkpoint import step_dir
+
+# ~0.9M parameters: big enough for FSDP to shard every block, small enough for CI.
+TINY_MODEL = {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "seq_len": 32}
+
+
+def write_config(path: Path, **sections: Any) -> Path:
+    body: dict[str, Any] = {"model": dict(TINY_MODEL), "log_every": 1}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(body.get(key), dict):
+            body[key] = {**body[key], **value}
+        else:
+            body[key] = value
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def torchrun_argv(nproc: int, config: Path, *overrides: str, max_restarts: int = 0) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        "-m",
+        "trainer",
+        "--config",
+        str(config),
+    ]
+    for assignment in overrides:
+        argv += ["--set", assignment]
+    return argv
+
+
+def torchrun(
+    nproc: int, config: Path, env: dict[str, str], *overrides: str, max_restarts: int = 0, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run a trainer job to completion; its stderr carries the JSON log lines."""
+    return subprocess.run(
+        torchrun_argv(nproc, config, *overrides, max_restarts=max_restarts),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def events(log_text: str, name: str) -> list[dict[str, Any]]:
+    """The JSON log events called ``name`` (other lines, e.g. torch warnings, skipped)."""
+    found = []
+    for line in log_text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == name:
+            found.append(event)
+    return found
+
+
+def step_losses(log_text: str) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(log_text, "step") if e.get("rank") == 0}
+
+
+def full_state(checkpoint_root: Path, step: int, scratch: Path) -> dict[str, Any]:
+    """The full (unsharded) state of a committed checkpoint, read without any process group."""
+    out = scratch / f"full-{step}.pt"
+    dcp_to_torch_save(str(step_dir(checkpoint_root, step)), str(out))
+    return torch.load(out, weights_only=False)["app"]
+
+
+def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            flat[name] = value
+        elif isinstance(value, dict):
+            flat.update(flat_tensors(value, name + "."))
+    return flat
+
+
+def check(result: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.CompletedProcess[str]:
+    assert result.returncode == code, f"exit {result.returncode} (wanted {code}):\n{result.stderr[-6000:]}"
+    return result

@@ -1,0 +1,270 @@
+"""Checkpoint-before-resize through etcd, and prompt stops on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from regroup.etcd import ClientError
+from regroup.keys import JobKeys
+from regroup.records import CheckpointAck, CheckpointRequest, Progress, Record, ReformRequest
+from regroup.telemetry import read_spans
+from tests.trainer.harness import full_state, torchrun_argv, write_config
+from trainer.checkpoint import COMMIT_MARKER, list_steps, step_dir
+
+pytestmark = pytest.mark.slow
+
+R = TypeVar("R", bound=Record)
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+REFORM_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+REFORM_SPAN = "b7ad6b7169203331"
+
+
+async def put_retrying(client: Any, key: str, value: bytes) -> None:
+    """Put once the client's channel is back after an etcd restart (its first call may fail)."""
+    async with asyncio.timeout(30):
+        while True:
+            try:
+                await client.put(key.encode(), value)
+                return
+            except (ClientError, grpc.RpcError, OSError):
+                await asyncio.sleep(0.2)
+
+
+def _event(line: str) -> dict[str, Any] | None:
+    """A JSON log event, or None for other output (torchrun's own warnings)."""
+    if not line.startswith("{"):
+        return None
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+async def wait_record(client: Any, key: str, kind: type[R], predicate: Callable[[R], bool], timeout: float = 60) -> R:
+    """The first value of ``key`` that satisfies ``predicate``, from a watch (no polling)."""
+    async with asyncio.timeout(timeout):
+        found = await client.get_prefix(key.encode())
+        for kv in found:
+            if kv.key.decode() == key and predicate(record := kind.from_json(kv.value)):
+                return record
+        watch = await client.watch(key.encode(), start_revision=found.header.revision + 1)
+        try:
+            async for event in watch:
+                if event.kv.value and predicate(record := kind.from_json(event.kv.value)):
+                    return record
+        finally:
+            await watch.cancel()
+    raise AssertionError("unreachable")
+
+
+async def test_checkpoint_request_is_honoured_at_the_next_boundary_acked_held_and_resumed(
+    tmp_path: Path, etcd: Any, etcd_client: Any, worker_env: dict[str, str]
+) -> None:
+    keys = JobKeys("default", "req-job")
+    ckpt = tmp_path / "ckpt"
+    spans = tmp_path / "spans.jsonl"
+    config = write_config(
+        tmp_path / "c.yaml",
+        checkpoint={"dir": str(ckpt), "at_end": False},
+        etcd={"endpoint": etcd.endpoint, "job": keys.job, "progress_interval": "50ms"},
+        step_time_floor="300ms",
+        max_steps=10_000,
+    )
+    env = {**worker_env, "REGROUP_SPANS_FILE": str(spans)}
+    log_file = (tmp_path / "log").open("w")
+    proc = await asyncio.create_subprocess_exec(
+        *torchrun_argv(2, config), env=env, stdout=asyncio.subprocess.DEVNULL, stderr=log_file
+    )
+    try:
+        before = await wait_record(etcd_client, keys.progress, Progress, lambda p: p.step >= 4)
+        # Four boundaries passed with nothing pending: not one save was started.
+        assert before.extra["checkpoint_saves"] == 0
+        assert before.world_size == 2 and before.resumed_from_step == 0
+
+        # etcd restarts under the running job: the trainer re-watches and still hears requests
+        # (later than usual: the client's channel reconnects with back-off).
+        await asyncio.to_thread(etcd.restart)
+        # Without hold: save, ack, train on.
+        early = CheckpointRequest(generation=2, deadline=time.time() + 120, hold=False)
+        await put_retrying(etcd_client, keys.checkpoint, early.to_json())
+        early_ack = await wait_record(etcd_client, keys.ack(2), CheckpointAck, lambda a: True)
+        after = await wait_record(etcd_client, keys.progress, Progress, lambda p: p.step >= early_ack.step + 2)
+        assert after.extra["state"] == "training"
+        assert after.extra["checkpoint_saves"] == 1 and after.extra["requests_honoured"] == 1
+
+        request = CheckpointRequest(
+            generation=3,
+            deadline=time.time() + 120,
+            hold=True,
+            reason="node n2 reclaimed",
+            traceparent=f"00-{TRACE_ID}-{PARENT_SPAN}-01",
+        )
+        await etcd_client.put(keys.checkpoint.encode(), request.to_json())
+        at_request = await wait_record(etcd_client, keys.progress, Progress, lambda p: True)
+        ack = await wait_record(etcd_client, keys.ack(3), CheckpointAck, lambda a: True)
+        # Progress is at most one step behind, and the request is seen within a step.
+        assert at_request.step <= ack.step <= at_request.step + 2
+        assert (ack.generation, ack.world_size, ack.checkpoint_id) == (3, 2, f"step-{ack.step}")
+        assert (step_dir(ckpt, ack.step) / COMMIT_MARKER).is_file()
+
+        holding = await wait_record(etcd_client, keys.progress, Progress, lambda p: p.extra["state"] == "holding")
+        assert holding.step == ack.step
+        assert holding.extra["checkpoint_saves"] == 2 and holding.extra["requests_honoured"] == 2
+
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # the agent stops its workers for the re-form
+        await asyncio.wait_for(proc.wait(), 30)
+        stopped_in = time.monotonic() - sent
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        log_file.close()
+
+    assert stopped_in < 5, f"workers took {stopped_in:.1f}s to stop"
+    final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
+    assert final.step == ack.step, "held at the acked step: no step lost"
+    assert final.extra["state"] == "stopped"
+    assert list_steps(ckpt) == [(early_ack.step, True), (ack.step, True)]
+
+    checkpoint_spans = [s for s in read_spans(spans) if s["name"] == "regroup.trainer.checkpoint"]
+    assert sorted(s["attributes"]["regroup.generation"] for s in checkpoint_spans) == [2, 3]
+    (span,) = [s for s in checkpoint_spans if s["attributes"]["regroup.generation"] == 3]
+    assert (span["trace_id"], span["parent_span_id"]) == (TRACE_ID, PARENT_SPAN)
+    assert span["attributes"]["regroup.step"] == ack.step
+    assert span["attributes"]["regroup.generation"] == 3
+    assert span["attributes"]["regroup.checkpoint.bytes"] > 0
+
+    # The re-formed job (one rank now) resumes from the acked checkpoint; its resume span
+    # joins the re-form's trace.
+    reform = ReformRequest(generation=4, cause="reclaim", traceparent=f"00-{REFORM_TRACE_ID}-{REFORM_SPAN}-01")
+    await etcd_client.put(keys.reform.encode(), reform.to_json())
+    resumed = await asyncio.create_subprocess_exec(
+        *torchrun_argv(1, config, f"max_steps={ack.step + 1}", "step_time_floor=0"),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert await asyncio.wait_for(resumed.wait(), 60) == 0
+    finally:
+        if resumed.returncode is None:
+            resumed.kill()
+            await resumed.wait()
+    final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
+    assert (final.step, final.resumed_from_step, final.world_size) == (ack.step + 1, ack.step, 1)
+    (resume,) = [s for s in read_spans(spans) if s["name"] == "regroup.trainer.resume"]
+    assert (resume["trace_id"], resume["parent_span_id"]) == (REFORM_TRACE_ID, REFORM_SPAN)
+    assert resume["attributes"]["regroup.resumed_from_step"] == ack.step
+    assert resume["attributes"]["regroup.world_size"] == 1
+
+
+async def test_sigterm_mid_training_exits_promptly_without_a_torn_checkpoint(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    # An async save after every step: a stop almost always lands with a save in flight.
+    config = write_config(
+        tmp_path / "c.yaml", checkpoint={"dir": str(ckpt), "every_steps": 1, "keep_last": 100}, max_steps=10_000
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *torchrun_argv(2, config), env=worker_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    reached = asyncio.Event()
+    lines: list[str] = []
+
+    async def read_log() -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            line = raw.decode(errors="replace")
+            lines.append(line)
+            event = _event(line)
+            if event is not None and event.get("event") == "step" and event["step"] >= 6:
+                reached.set()
+
+    reader = asyncio.create_task(read_log())
+    try:
+        await asyncio.wait_for(reached.wait(), 90)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+        stopped_in = time.monotonic() - sent
+        await asyncio.wait_for(reader, 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    assert stopped_in < 5, f"workers took {stopped_in:.1f}s to stop"
+    stops = [e for e in map(_event, lines) if e is not None and e.get("event") == "stopping"]
+    assert len(stops) == 2, "both ranks stop at the same agreed boundary"
+    assert stops[0]["step"] == stops[1]["step"]
+    steps = list_steps(ckpt)
+    committed = [s for s, ok in steps if ok]
+    assert committed and committed[-1] >= 5
+    # Only the newest save may be unfinished; every committed one loads in full.
+    assert all(ok for s, ok in steps[:-1]), steps
+    for step in committed[-2:]:
+        state = full_state(ckpt, step, tmp_path)
+        assert state["trainer"]["step"] == step
+
+
+async def test_sigterm_ends_a_rank_blocked_in_a_collective_and_reports_its_last_step(
+    tmp_path: Path, etcd: Any, etcd_client: Any, worker_env: dict[str, str]
+) -> None:
+    keys = JobKeys("default", "hang-job")
+    # Rank 1 stops making progress before step 4: rank 0 blocks in step 4's all-gather,
+    # where no Python signal handler runs. The stop must still end it, promptly.
+    config = write_config(
+        tmp_path / "c.yaml",
+        etcd={"endpoint": etcd.endpoint, "job": keys.job, "progress_interval": "50ms"},
+        faults=[{"kind": "hang", "rank": 1, "step": 4}],
+        max_steps=10_000,
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *torchrun_argv(2, config), env=worker_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    hung = asyncio.Event()
+    lines: list[str] = []
+
+    async def read_log() -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            lines.append(raw.decode(errors="replace"))
+            event = _event(lines[-1])
+            if event is not None and event.get("event") == "fault: hanging before step":
+                hung.set()
+
+    reader = asyncio.create_task(read_log())
+    try:
+        await asyncio.wait_for(hung.wait(), 90)
+        await wait_record(etcd_client, keys.progress, Progress, lambda p: p.step == 3)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+        stopped_in = time.monotonic() - sent
+        await asyncio.wait_for(reader, 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    assert stopped_in < 5, f"workers took {stopped_in:.1f}s to stop"
+    forced = [e for e in map(_event, lines) if e is not None and e.get("event", "").startswith("training loop did not")]
+    assert len(forced) == 2, "both ranks were ended by their watchdogs"
+    final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
+    assert (final.step, final.extra["state"]) == (3, "stopped")

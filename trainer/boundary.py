@@ -1,0 +1,37 @@
+"""The step-boundary agreement: one tiny all-reduce per step.
+
+Every rank contributes its stop flag and local loss; rank 0 alone contributes the
+checkpoint-request generation it saw and whether a timed save is due (its clock
+decides, so ranks never disagree). One SUM all-reduce of four float64 numbers gives
+every rank the same decision; with nothing pending nothing else happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What all ranks agreed at one step boundary."""
+
+    generation: int
+    """Checkpoint request to honour now (0: none)."""
+    stop: bool
+    """Some rank was asked to stop: every rank stops here."""
+    save_due: bool
+    """The periodic time trigger fired on rank 0."""
+    loss: float
+    """Mean of the ranks' losses (equal shares of the global batch: the global mean)."""
+
+
+def agree(
+    group: dist.ProcessGroup, world_size: int, *, generation: int, stop: bool, save_due: bool, loss: float
+) -> Boundary:
+    values = torch.tensor([float(generation), float(stop), float(save_due), loss], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
+    generation_sum, stop_sum, due_sum, loss_sum = values.tolist()
+    return Boundary(int(generation_sum), stop_sum > 0, due_sum > 0, loss_sum / world_size)

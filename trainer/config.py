@@ -1,0 +1,384 @@
+"""The trainer's settings: one frozen dataclass tree, parsed once from YAML/JSON.
+
+``load_config(path, overrides, env)`` reads the file, applies ``--set a.b=value``
+overrides, fills the etcd section from the environment, and validates everything
+with messages that name the field (``batch.global_batch_size: must be >= 1``).
+Nothing below this module reads the environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the field."""
+
+
+def parse_duration(value: Any, name: str) -> timedelta:
+    """``30``, ``1.5``, ``"250ms"``, ``"30s"``, ``"2m"``, ``"1h"`` -> timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a duration, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", value)
+        if not match:
+            raise ConfigError(f"{name}: expected a duration like 30s, 250ms, 2m; got {value!r}")
+        scale = {"ms": 0.001, "s": 1.0, None: 1.0, "m": 60.0, "h": 3600.0}[match.group(2)]
+        seconds = float(match.group(1)) * scale
+    else:
+        raise ConfigError(f"{name}: expected a duration, got {value!r}")
+    if seconds < 0:
+        raise ConfigError(f"{name}: must not be negative")
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, causal SDPA attention."""
+
+    vocab_size: int = 256
+    """Token ids are in [0, vocab_size)."""
+    dim: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks (each is one FSDP unit)."""
+    n_heads: int = 4
+    """Attention heads; dim must divide by it."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden width; 0 picks 8/3 * dim rounded up to a multiple of 64."""
+    seq_len: int = 64
+    """Tokens per sample (the model predicts seq_len next tokens)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (saves memory, costs ~1/3 compute)."""
+    compile: bool = False
+    """torch.compile each block (only applied on CUDA)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model.dim: {self.dim} must divide by model.n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError("model.dim: the head size dim/n_heads must be even for RoPE")
+        if self.ffn_hidden < 0:
+            raise ConfigError("model.ffn_hidden: must be >= 0")
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return -(-int(8 * self.dim / 3) // 64) * 64
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. Sample ``i`` is a function of ``i`` (and the seed) only."""
+
+    source: Literal["synthetic", "file"] = "synthetic"
+    """``synthetic``: a deterministic, learnable token stream; ``file``: a memory-mapped token file."""
+    path: str | None = None
+    """Token file (flat array of token ids), for source=file."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of the token file."""
+    seed: int = 0
+    """Seeds the synthetic stream and the per-epoch shuffle of the file's windows."""
+    shuffle: bool = True
+    """For source=file: visit the file's windows in a seeded per-epoch permutation."""
+    sample_log: str | None = None
+    """Folder where each rank appends the global sample ids it trains on (auditing, tests)."""
+
+    def __post_init__(self) -> None:
+        if self.source == "file" and not self.path:
+            raise ConfigError("data.path: required when data.source is 'file'")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay; the schedule is a function of the step."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    warmup_steps: int = 10
+    """Linear warm-up length in steps."""
+    decay_steps: int = 0
+    """Cosine decay length after warm-up; 0 decays over max_steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        for name in ("min_lr_ratio", "weight_decay", "grad_clip", "warmup_steps", "decay_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"optim.{name}: must be >= 0")
+        if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
+            raise ConfigError("optim.beta1/optim.beta2: must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """The global batch is constant; per-rank micro-batches and accumulation adapt to the world."""
+
+    global_batch_size: int = 12
+    """Samples per optimizer step across all ranks; must divide by the world size."""
+    max_micro_batch_size: int = 0
+    """Largest micro-batch one rank runs at once; 0 means the rank's whole share in one go."""
+
+    def __post_init__(self) -> None:
+        _positive("batch.global_batch_size", self.global_batch_size)
+        if self.max_micro_batch_size < 0:
+            raise ConfigError("batch.max_micro_batch_size: must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Sharded DCP checkpoints under ``<dir>/step-N/``, valid only with their commit marker."""
+
+    dir: str | None = None
+    """Checkpoint folder; unset disables checkpoints. A run always resumes from the newest
+    committed checkpoint in it, at whatever world size it has: a fresh run needs a fresh folder."""
+    every_steps: int = 0
+    """Save every K steps; 0 disables the step trigger."""
+    every: timedelta = timedelta(0)
+    """Save when this much time passed since the last save; 0 disables the time trigger."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; older ones are deleted once a newer one commits."""
+    async_save: bool = True
+    """Stage to memory and write in a background thread (training stalls only for staging)."""
+    at_end: bool = True
+    """Save when max_steps is reached."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("checkpoint.every_steps: must be >= 0")
+        _positive("checkpoint.keep_last", self.keep_last)
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """The job's etcd keys: checkpoint requests in, acks and progress out."""
+
+    endpoint: str = ""
+    """``host:port[,host:port]``; default: env REGROUP_ETCD_ENDPOINT."""
+    job: str = ""
+    """Job name (the ``regroup.dev/job`` label); default: env TORCHELASTIC_RUN_ID."""
+    namespace: str = "default"
+    """Kubernetes namespace of the job; default: env POD_NAMESPACE, else ``default``."""
+    progress_interval: timedelta = timedelta(seconds=5)
+    """How often rank 0 publishes ``progress`` (also at start and on exit)."""
+    request_timeout: timedelta = timedelta(seconds=5)
+    """Deadline of one etcd request."""
+    cacert: str | None = None
+    """CA bundle for a TLS etcd."""
+    cert: str | None = None
+    """Client certificate (mutual TLS)."""
+    key: str | None = None
+    """Client key (mutual TLS)."""
+
+    def __post_init__(self) -> None:
+        if not self.endpoint:
+            raise ConfigError("etcd.endpoint: required (or set REGROUP_ETCD_ENDPOINT)")
+        if not self.job or "/" in self.job:
+            raise ConfigError("etcd.job: required and without '/' (or run under torchrun with --rdzv-id)")
+        if self.progress_interval <= timedelta(0):
+            raise ConfigError("etcd.progress_interval: must be > 0")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected failure at a (rank, step), for tests of the recovery paths."""
+
+    kind: Literal["crash", "hang", "kill_during_save"]
+    """``crash``: the rank fails before training step ``step``; ``hang``: it stops making
+    progress there (a stuck host), leaving its peers blocked in a collective;
+    ``kill_during_save``: it is SIGKILLed after writing its shard of the checkpoint of step
+    ``step``, before that checkpoint is committed."""
+    rank: int
+    """Global rank that fails."""
+    step: int
+    """Training step at which it fails."""
+    restart: int = 0
+    """Only in this incarnation (env TORCHELASTIC_RESTART_COUNT), so the restarted job recovers."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    etcd: EtcdConfig | None = None
+    """Set to talk to the job's etcd keys (also enabled by env REGROUP_ETCD_ENDPOINT)."""
+    max_steps: int = 100
+    """Stop after this many optimizer steps (counted across restarts)."""
+    seed: int = 0
+    """Seeds parameter initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA (NCCL, bf16 params) when present, else CPU (gloo, fp32)."""
+    step_time_floor: timedelta = timedelta(0)
+    """Pad each step to at least this long, so tiny CPU runs move at a watchable pace."""
+    log_every: int = 1
+    """Log a ``step`` event every N steps."""
+    faults: tuple[Fault, ...] = ()
+    """Injected failures (also from env REGROUP_TRAINER_FAULTS as JSON)."""
+
+    def __post_init__(self) -> None:
+        _positive("max_steps", self.max_steps)
+        _positive("log_every", self.log_every)
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}: must be >= 1" if isinstance(value, int) else f"{name}: must be > 0")
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+
+def _convert(tp: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, name)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(repr(c) for c in typing.get_args(tp))
+            raise ConfigError(f"{name}: must be one of {choices}; got {value!r}")
+        return value
+    if origin is tuple:
+        (inner, _) = typing.get_args(tp)
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{name}: expected a list")
+        return tuple(_convert(inner, v, f"{name}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)
+    if tp is timedelta:
+        return parse_duration(value, name)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{name}: unsupported type {tp!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown field (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(hints[k], v, f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from exc
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply ``a.b.c=value`` (value read as a YAML scalar) to a nested dict in place."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {assignment!r}: expected key.sub=value")
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {assignment!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def config_from_dict(
+    data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None, overrides: Sequence[str] = ()
+) -> TrainConfig:
+    """Build and validate a TrainConfig from plain data, the environment and overrides."""
+    env = env or {}
+    tree: dict[str, Any] = copy.deepcopy(dict(data or {}))
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    etcd_section = tree.get("etcd")
+    if etcd_section is not None or env.get("REGROUP_ETCD_ENDPOINT"):
+        section = dict(etcd_section or {})
+        section.setdefault("endpoint", env.get("REGROUP_ETCD_ENDPOINT", ""))
+        section.setdefault("job", env.get("TORCHELASTIC_RUN_ID", ""))
+        section.setdefault("namespace", env.get("POD_NAMESPACE") or "default")
+        tree["etcd"] = section
+    faults_env = env.get("REGROUP_TRAINER_FAULTS")
+    if faults_env:
+        try:
+            tree["faults"] = list(tree.get("faults") or []) + list(json.loads(faults_env))
+        except ValueError as exc:
+            raise ConfigError(f"REGROUP_TRAINER_FAULTS: not a JSON list: {exc}") from exc
+    return _build(TrainConfig, tree, "")
+
+
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> TrainConfig:
+    """Read a YAML or JSON config file (or none: all defaults) and validate it."""
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: not YAML/JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    return config_from_dict(data, env, overrides)

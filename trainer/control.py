@@ -1,0 +1,179 @@
+"""Rank 0's side of the job's etcd keys: checkpoint requests in; acks and progress out.
+
+``pending_generation`` is the pure decision (which request to honour now); ``JobChannel``
+is the thin adapter: a watch of ``control/checkpoint`` kept in a background loop thread
+(re-watched from the last seen revision when etcd restarts), and writes of ``progress``
+and ``acks/<generation>/commit``. The training loop never blocks on etcd except to ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from regroup.etcd import ClientError, EtcdSettings, EventKind, LoopThread, connect
+from regroup.keys import JobKeys
+from regroup.records import CheckpointAck, CheckpointRequest, Progress, RecordError, ReformRequest
+from trainer.config import EtcdConfig
+
+log = structlog.get_logger("regroup.trainer.control")
+
+_RETRY = 0.5
+
+
+def pending_generation(request: CheckpointRequest | None, now: float, answered: int) -> int:
+    """The generation to checkpoint for at this boundary, or 0 for none: a request is
+    honoured once, and not after its deadline."""
+    if request is None or request.generation <= answered or now >= request.deadline:
+        return 0
+    return request.generation
+
+
+def settings_for(cfg: EtcdConfig) -> EtcdSettings:
+    return EtcdSettings.from_endpoint_string(
+        cfg.endpoint,
+        cacert=Path(cfg.cacert) if cfg.cacert else None,
+        cert=Path(cfg.cert) if cfg.cert else None,
+        key=Path(cfg.key) if cfg.key else None,
+        request_timeout=cfg.request_timeout,
+    )
+
+
+class JobChannel:
+    """Rank 0's connection to the job's keys. Thread-safe reads of the latest request."""
+
+    def __init__(self, cfg: EtcdConfig) -> None:
+        self.cfg = cfg
+        self.keys = JobKeys(cfg.namespace, cfg.job)
+        self._settings = settings_for(cfg)
+        self._loop = LoopThread(name="regroup-trainer-etcd")
+        self._lock = threading.Lock()
+        self._request: CheckpointRequest | None = None
+        self._client: Any = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self.answered = 0
+        """Highest generation already acked (read at start, so a restart does not re-answer)."""
+        self.latest_reform: ReformRequest | None = None
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.cfg.request_timeout
+
+    def start(self) -> None:
+        """Connect, read what was already answered and the current request, start the watch."""
+        self._loop.run(self._start(), self.timeout * 3)
+
+    async def _start(self) -> None:
+        self._client = await connect(self._settings)
+        for kv in await self._client.get_prefix(self.keys.acks.encode()):
+            head = kv.key.decode()[len(self.keys.acks) :].split("/", 1)[0]
+            if head.isdigit():
+                self.answered = max(self.answered, int(head))
+        reform = await self._client.get(self.keys.reform.encode())
+        if reform is not None:
+            try:
+                self.latest_reform = ReformRequest.from_json(reform.value)
+            except RecordError as exc:
+                log.warning("ignoring malformed reform request", error=str(exc))
+        revision = await self._read_request()
+        self._watch_task = asyncio.create_task(self._watch(revision), name="checkpoint-request-watch")
+
+    def _set_request(self, raw: bytes | None) -> None:
+        request = None
+        if raw:
+            try:
+                request = CheckpointRequest.from_json(raw)
+            except RecordError as exc:
+                log.warning("ignoring malformed checkpoint request", error=str(exc))
+                return
+        with self._lock:
+            self._request = request
+        if request is not None:
+            log.info("checkpoint request seen", generation=request.generation, hold=request.hold)
+
+    async def _read_request(self) -> int:
+        """Read the request key; the store revision to watch from (exclusive)."""
+        found = await self._client.get_prefix(self.keys.checkpoint.encode())
+        exact = [kv for kv in found if kv.key.decode() == self.keys.checkpoint]
+        self._set_request(exact[0].value if exact else None)
+        return int(found.header.revision)
+
+    async def _watch(self, revision: int) -> None:
+        key = self.keys.checkpoint.encode()
+        while True:
+            try:
+                watch = await self._client.watch(key, start_revision=revision + 1)
+                try:
+                    async for event in watch:
+                        revision = max(revision, int(event.kv.mod_revision))
+                        self._set_request(event.kv.value if event.kind == EventKind.PUT else None)
+                finally:
+                    await watch.cancel()
+            except asyncio.CancelledError:
+                raise
+            except (ClientError, grpc.RpcError, OSError) as exc:
+                # etcd restarted or the stream broke: re-read, then re-watch past what we saw.
+                log.warning("checkpoint request watch broke; re-watching", error=str(exc))
+                await asyncio.sleep(_RETRY)
+                try:
+                    revision = max(revision, await self._read_request())
+                except (ClientError, grpc.RpcError, OSError):
+                    continue
+
+    def request(self) -> CheckpointRequest | None:
+        with self._lock:
+            return self._request
+
+    def ack(self, ack: CheckpointAck, deadline: float) -> bool:
+        """Write the ack, retrying through etcd blips until the request's ``deadline``
+        (unix time): the controller is waiting on it. True once written."""
+        key = self.keys.ack(ack.generation).encode()
+        while True:
+            try:
+                self._loop.run(self._client.put(key, ack.to_json()), self.timeout)
+                self.answered = max(self.answered, ack.generation)
+                return True
+            except (TimeoutError, ClientError, grpc.RpcError, OSError) as exc:
+                if time.time() + _RETRY >= deadline:
+                    log.error("could not ack the checkpoint request", generation=ack.generation, error=str(exc))
+                    self.answered = max(self.answered, ack.generation)
+                    return False
+                log.warning("ack write failed; retrying", generation=ack.generation, error=str(exc))
+                time.sleep(_RETRY)
+
+    def publish_progress(self, progress: Progress, wait: bool = False, timeout: timedelta | None = None) -> None:
+        """Write ``progress``; without ``wait`` the loop does not block on etcd, with it the
+        write gets at most ``timeout`` (default: the request timeout)."""
+        future = self._loop.submit(self._put_progress(progress))
+        if wait:
+            try:
+                future.result((timeout or self.timeout).total_seconds())
+            except TimeoutError:
+                log.warning("progress write timed out")
+
+    async def _put_progress(self, progress: Progress) -> None:
+        try:
+            await self._client.put(self.keys.progress.encode(), progress.to_json())
+        except (ClientError, grpc.RpcError, OSError) as exc:
+            log.warning("progress write failed", error=str(exc))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            if self._watch_task is not None:
+                self._watch_task.cancel()
+                await asyncio.gather(self._watch_task, return_exceptions=True)
+            if self._client is not None:
+                await self._client.close()
+
+        try:
+            self._loop.run(stop(), self.timeout)
+        except (TimeoutError, ClientError, grpc.RpcError, OSError):
+            pass
+        self._loop.close()

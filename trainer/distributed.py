@@ -1,0 +1,98 @@
+"""Process groups, the device mesh and FSDP2 sharding of the decoder."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer.config import ModelConfig
+from trainer.model import Decoder
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this rank runs and the groups it talks through."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    checkpoint_group: dist.ProcessGroup
+    """A separate gloo group for async checkpoint writes, so their collectives run in a
+    background thread without interleaving with training collectives."""
+    control_group: dist.ProcessGroup
+    """A gloo group for the per-step agreement (a CPU tensor, no device sync)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: 'cuda' requested but CUDA is not available")
+    if preference in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(env: Mapping[str, str], device_preference: str, timeout: timedelta) -> Runtime:
+    """Initialise the default process group from torchrun's env (or a world of one)."""
+    rank = int(env.get("RANK", "0"))
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    device = pick_device(device_preference, local_rank)
+    # CPU collectives must exist on CUDA too: async DCP save and the agreement run on gloo.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" in env:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Runtime(rank, world_size, local_rank, device, mesh, checkpoint_group, control_group)
+
+
+def build_sharded_model(cfg: ModelConfig, seed: int, runtime: Runtime) -> nn.Module:
+    """The decoder, initialised identically on every rank, then sharded: one FSDP unit per
+    block and the root. On CUDA: bf16 compute with fp32 gradient reduction (params kept fp32)."""
+    model = Decoder(cfg)
+    model.init_weights(seed)
+    if runtime.is_cuda:
+        model.to(runtime.device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    for index, block in enumerate(model.layers):
+        if cfg.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            block = checkpoint_wrapper(block)
+            model.layers[index] = block
+        if cfg.compile and runtime.is_cuda:
+            block.compile()
+        # The last block's parameters are needed first in backward: no point resharding them.
+        fully_shard(block, mesh=runtime.mesh, mp_policy=policy, reshard_after_forward=index < len(model.layers) - 1)
+    fully_shard(model, mesh=runtime.mesh, mp_policy=policy)
+    return model
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment variables this module and the loop read, taken once at the edge."""
+    return dict(os.environ)

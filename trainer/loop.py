@@ -1,0 +1,410 @@
+"""The training loop: resume, train with a constant global batch, checkpoint, answer requests.
+
+One ``TrainingRun`` per process. Each step ends at a boundary where all ranks agree
+(one tiny all-reduce) on a pending checkpoint request, a stop, and the timed save;
+everything else at the boundary follows from that agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from opentelemetry import trace
+
+from regroup.records import CheckpointAck, CheckpointRequest, Progress
+from regroup.telemetry import context_from_traceparent
+from trainer.batching import BatchPlan, plan_batches
+from trainer.boundary import Boundary, agree
+from trainer.checkpoint import AppState, Checkpointer, TrainerState, checkpoint_id, folder_bytes, step_dir
+from trainer.config import TrainConfig
+from trainer.control import JobChannel, pending_generation
+from trainer.data import batch, make_source
+from trainer.distributed import Runtime, build_sharded_model
+from trainer.model import count_parameters
+from trainer.schedule import lr_at
+from trainer.stopping import StopSignal, exit_code
+
+log = structlog.get_logger("regroup.trainer")
+
+# Poll period while holding at a boundary for the re-form (one tiny collective each).
+_HOLD_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Facts about this incarnation, read from the environment at the edge."""
+
+    restart_count: int = 0
+    """torchrun's TORCHELASTIC_RESTART_COUNT."""
+
+
+@dataclass
+class Counters:
+    """What this process did; published in ``progress.extra`` so tests and dashboards see it."""
+
+    checkpoint_saves: int = 0
+    """Saves started (periodic, on request, at the end)."""
+    requests_honoured: int = 0
+    """Checkpoint requests saved for (and acked by rank 0)."""
+    last_stall_s: float = 0.0
+    """Time the loop was blocked by the latest save."""
+    state: str = "starting"
+    """starting, training, holding, stopped or finished."""
+
+
+class TrainingRun:
+    """One incarnation of the trainer on one rank: build, resume, train, checkpoint, stop."""
+
+    def __init__(
+        self, cfg: TrainConfig, runtime: Runtime, info: RunInfo, stop: StopSignal, channel: JobChannel | None
+    ) -> None:
+        self.cfg = cfg
+        self.rt = runtime
+        self.info = info
+        self.stop = stop
+        self.channel = channel if runtime.rank == 0 else None
+        self.tracer = trace.get_tracer("regroup.trainer")
+        self.counters = Counters()
+        # Fails at start, before any work, when the global batch does not split.
+        self.plan: BatchPlan = plan_batches(
+            cfg.batch.global_batch_size, runtime.world_size, runtime.rank, cfg.batch.max_micro_batch_size
+        )
+        self.source = make_source(cfg.data, cfg.model)
+        torch.manual_seed(cfg.seed)
+        self.model = build_sharded_model(cfg.model, cfg.seed, runtime)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.state = TrainerState()
+        self.app = AppState(self.model, self.optimizer, self.state)
+        die_at = self._fault_step("kill_during_save")
+        self.checkpointer = Checkpointer(cfg.checkpoint, runtime, die_at) if cfg.checkpoint.dir else None
+        self.resumed_from = 0
+        self.last_loss = float("nan")
+        self.tokens_per_s = 0.0
+        self._last_save_time = time.monotonic()
+        self._last_progress_time = 0.0
+        self._sample_log = self._open_sample_log()
+
+    # --- helpers ------------------------------------------------------------------
+
+    def _fault_step(self, kind: str) -> int | None:
+        for fault in self.cfg.faults:
+            if fault.kind == kind and fault.rank == self.rt.rank and fault.restart == self.info.restart_count:
+                return fault.step
+        return None
+
+    def _open_sample_log(self) -> Any:
+        if not self.cfg.data.sample_log:
+            return None
+        folder = Path(self.cfg.data.sample_log)
+        folder.mkdir(parents=True, exist_ok=True)
+        return open(folder / f"samples-w{self.rt.world_size}-r{self.rt.rank}.jsonl", "a")
+
+    def progress(self) -> Progress:
+        c = self.counters
+        return Progress(
+            step=self.state.step,
+            loss=0.0 if math.isnan(self.last_loss) else self.last_loss,
+            samples_seen=self.state.samples_seen,
+            world_size=self.rt.world_size,
+            time=time.time(),
+            tokens_per_s=self.tokens_per_s,
+            resumed_from_step=self.resumed_from,
+            restart_count=self.info.restart_count,
+            extra={
+                "state": c.state,
+                "checkpoint_saves": c.checkpoint_saves,
+                "requests_honoured": c.requests_honoured,
+                "last_checkpoint_stall_s": round(c.last_stall_s, 6),
+                "last_committed_step": None if self.checkpointer is None else self.checkpointer.last_committed,
+            },
+        )
+
+    def last_words(self) -> Progress:
+        """Progress for a forced exit (the watchdog's): the last completed step."""
+        self.counters.state = "stopped"
+        return self.progress()
+
+    def publish(self, wait: bool = False) -> None:
+        if self.channel is not None:
+            self.channel.publish_progress(self.progress(), wait=wait)
+            self._last_progress_time = time.monotonic()
+
+    # --- start --------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Load the newest committed checkpoint (any world size) and emit the resume span."""
+        if self.checkpointer is None:
+            return
+        self.checkpointer.prepare()
+        started_ns = time.time_ns()
+        t0 = time.perf_counter()
+        step = self.checkpointer.load_latest(self.app)
+        load_s = time.perf_counter() - t0
+        if step is None:
+            return
+        self.resumed_from = step
+        log.info("resumed", step=step, world_size=self.rt.world_size, load_s=round(load_s, 3), plan=str(self.plan))
+        if self.rt.rank == 0:
+            reform = self.channel.latest_reform if self.channel is not None else None
+            parent = context_from_traceparent(reform.traceparent if reform is not None else "")
+            span = self.tracer.start_span(
+                "regroup.trainer.resume",
+                context=parent,
+                start_time=started_ns,
+                attributes={
+                    "regroup.resumed_from_step": step,
+                    "regroup.world_size": self.rt.world_size,
+                    "regroup.load_duration_s": load_s,
+                    "regroup.restart_count": self.info.restart_count,
+                },
+            )
+            span.end()
+
+    # --- one step -----------------------------------------------------------------
+
+    def train_step(self) -> float:
+        """One optimizer step over this rank's share of the global batch; its mean loss."""
+        step = self.state.step
+        lr = lr_at(step, self.cfg.optim, self.cfg.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        tokens_per_rank = self.plan.per_rank * self.cfg.model.seq_len
+        total = torch.zeros((), dtype=torch.float32, device=self.rt.device)
+        for micro in range(self.plan.accumulation):
+            ids = self.plan.micro_batch_ids(step, micro)
+            inputs, targets = batch(self.source, ids)
+            inputs, targets = inputs.to(self.rt.device), targets.to(self.rt.device)
+            # Reduce gradients across ranks only on the last micro-batch.
+            self.model.set_requires_gradient_sync(micro == self.plan.accumulation - 1)
+            logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / tokens_per_rank
+            loss.backward()
+            total += loss.detach()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        if self.checkpointer is not None:
+            # A save staged in the background must finish copying before parameters change.
+            self.counters.last_stall_s += self.checkpointer.wait_staged()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step = step + 1
+        self.state.samples_seen = self.state.step * self.plan.global_batch
+        self.state.lr = lr
+        if self._sample_log is not None:
+            record = {"step": step + 1, "ids": list(self.plan.step_ids(step)), "restart": self.info.restart_count}
+            self._sample_log.write(json.dumps(record) + "\n")
+            self._sample_log.flush()
+        return float(total)
+
+    # --- the boundary ---------------------------------------------------------------
+
+    def boundary(self, local_loss: float) -> tuple[Boundary, CheckpointRequest | None]:
+        request = None
+        generation = 0
+        save_due = False
+        if self.rt.rank == 0:
+            now = time.time()
+            if self.channel is not None and self.checkpointer is not None:
+                request = self.channel.request()
+                generation = pending_generation(request, now, self.channel.answered)
+            every = self.cfg.checkpoint.every.total_seconds()
+            save_due = every > 0 and time.monotonic() - self._last_save_time >= every
+        decided = agree(
+            self.rt.control_group,
+            self.rt.world_size,
+            generation=generation,
+            stop=self.stop.requested,
+            save_due=save_due,
+            loss=local_loss,
+        )
+        return decided, request if decided.generation else None
+
+    def save(self, *, wait: bool) -> float:
+        assert self.checkpointer is not None
+        result = self.checkpointer.save(self.app, self.state.step, use_async=None)
+        if wait:
+            self.checkpointer.finish()
+        self.counters.checkpoint_saves += 1
+        self.counters.last_stall_s = result.stall_s
+        self._last_save_time = time.monotonic()
+        return result.stall_s
+
+    def honour_request(self, generation: int, request: CheckpointRequest | None) -> None:
+        """Save and commit a checkpoint at this boundary, then ack (rank 0)."""
+        assert self.checkpointer is not None
+        step = self.state.step
+        started = time.perf_counter()
+        parent = context_from_traceparent(request.traceparent if request is not None else "")
+        span = self.tracer.start_span("regroup.trainer.checkpoint", context=parent) if self.rt.rank == 0 else None
+        # Reuse a save of this very step (periodic or in flight) instead of writing it twice.
+        if self.checkpointer.in_flight_step == step:
+            self.checkpointer.finish()
+        elif self.checkpointer.last_committed != step:
+            self.save(wait=True)
+        duration = time.perf_counter() - started
+        self.counters.requests_honoured += 1
+        if self.rt.rank == 0:
+            assert span is not None
+            size = folder_bytes(step_dir(self.checkpointer.root, step))
+            span.set_attributes(
+                {
+                    "regroup.step": step,
+                    "regroup.generation": generation,
+                    "regroup.checkpoint.duration_s": duration,
+                    "regroup.checkpoint.bytes": size,
+                    "regroup.world_size": self.rt.world_size,
+                }
+            )
+            span.end()
+            acked = False
+            if self.channel is not None:
+                acked = self.channel.ack(
+                    CheckpointAck(
+                        generation=generation,
+                        step=step,
+                        checkpoint_id=checkpoint_id(step),
+                        duration_s=duration,
+                        world_size=self.rt.world_size,
+                        acked_at=time.time(),
+                    ),
+                    deadline=request.deadline if request is not None else time.time(),
+                )
+            log.info(
+                "checkpoint request honoured",
+                generation=generation,
+                step=step,
+                acked=acked,
+                duration_s=round(duration, 3),
+            )
+
+    def hold(self, request: CheckpointRequest | None) -> bool:
+        """With ``hold``, wait at this boundary for the re-form (SIGTERM) until the request's
+        deadline. Every rank enters; only rank 0 knows the request, so each round is agreed.
+        True if a stop came; False when there is no hold (or its deadline passed)."""
+        while True:
+            holding = request is not None and request.hold and time.time() < request.deadline
+            decided = agree(
+                self.rt.control_group,
+                self.rt.world_size,
+                generation=int(holding),
+                stop=self.stop.requested,
+                save_due=False,
+                loss=0.0,
+            )
+            if decided.stop:
+                return True
+            if not decided.generation:
+                if self.counters.state == "holding":
+                    log.info("checkpoint hold deadline passed; training on", step=self.state.step)
+                    self.counters.state = "training"
+                return False
+            if self.counters.state != "holding":
+                self.counters.state = "holding"
+                log.info("holding for the re-form", step=self.state.step)
+                self.publish()
+            self.stop.wait(_HOLD_POLL_S)
+
+    # --- exits ----------------------------------------------------------------------
+
+    def stop_now(self) -> int:
+        """Agreed stop: leave an unfinished save uncommitted, report, exit code."""
+        abandoned = self.checkpointer.abandon() if self.checkpointer is not None else None
+        self.counters.state = "stopped"
+        log.info("stopping", step=self.state.step, abandoned_checkpoint=abandoned)
+        if self.channel is not None:
+            # Bounded well inside the watchdog's grace: the agent is waiting for us to exit.
+            self.channel.publish_progress(self.progress(), wait=True, timeout=timedelta(milliseconds=500))
+        return exit_code(self.stop.signum or 15)
+
+    def run(self) -> int:
+        """Train to ``max_steps`` or until stopped; the process exit code."""
+        self.resume()
+        self.counters.state = "training"
+        if self.rt.rank == 0:
+            log.info(
+                "training",
+                parameters=count_parameters(self.model),
+                world_size=self.rt.world_size,
+                micro_batch=self.plan.micro_batch,
+                accumulation=self.plan.accumulation,
+                start_step=self.state.step,
+                max_steps=self.cfg.max_steps,
+            )
+        self.publish(wait=True)
+        crash_at = self._fault_step("crash")
+        hang_at = self._fault_step("hang")
+        tokens_per_step = self.plan.global_batch * self.cfg.model.seq_len
+        while self.state.step < self.cfg.max_steps:
+            if crash_at == self.state.step + 1:
+                log.warning("fault: crashing before step", step=crash_at)
+                raise RuntimeError(f"injected crash at step {crash_at} on rank {self.rt.rank}")
+            if hang_at == self.state.step + 1:
+                log.warning("fault: hanging before step", step=hang_at)
+                threading.Event().wait()
+            started = time.perf_counter()
+            local_loss = self.train_step()
+            compute_s = time.perf_counter() - started
+            self.tokens_per_s = tokens_per_step / compute_s if compute_s > 0 else 0.0
+            decided, request = self.boundary(local_loss)
+            self.last_loss = decided.loss
+            if self.rt.rank == 0 and self.state.step % self.cfg.log_every == 0:
+                log.info(
+                    "step",
+                    step=self.state.step,
+                    loss=decided.loss,
+                    lr=self.state.lr,
+                    tokens_per_s=round(self.tokens_per_s, 1),
+                )
+            if decided.stop:
+                return self.stop_now()
+            if self.checkpointer is not None:
+                self.checkpointer.poll()
+                if decided.generation:
+                    self.honour_request(decided.generation, request)
+                    if self.hold(request):
+                        return self.stop_now()
+                elif self._periodic_due(decided) and self.state.step < self.cfg.max_steps:
+                    self.save(wait=False)
+            if self.rt.rank == 0 and time.monotonic() - self._last_progress_time >= self._progress_interval():
+                self.publish()
+            floor = self.cfg.step_time_floor.total_seconds()
+            if floor:
+                # Wakes early on a stop; the stop itself is agreed at the next boundary.
+                self.stop.wait(floor - (time.perf_counter() - started))
+        return self.finish()
+
+    def _periodic_due(self, decided: Boundary) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        return decided.save_due or (every > 0 and self.state.step % every == 0)
+
+    def _progress_interval(self) -> float:
+        return self.cfg.etcd.progress_interval.total_seconds() if self.cfg.etcd else float("inf")
+
+    def finish(self) -> int:
+        if self.checkpointer is not None:
+            if self.cfg.checkpoint.at_end and self.checkpointer.last_committed != self.state.step:
+                if self.checkpointer.in_flight_step == self.state.step:
+                    self.checkpointer.finish()
+                else:
+                    self.save(wait=True)
+            self.checkpointer.finish()
+        # Nobody exits while a peer still waits on it in the last collective.
+        torch.distributed.barrier(group=self.rt.control_group)
+        self.counters.state = "finished"
+        if self.channel is not None:
+            self.channel.publish_progress(self.progress(), wait=True)
+        log.info("finished", step=self.state.step, loss=self.last_loss)
+        return 0

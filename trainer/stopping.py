@@ -1,0 +1,108 @@
+"""Prompt, clean stops on SIGTERM/SIGINT (the torchrun agent stopping workers to re-form).
+
+The signal sets a flag that the loop turns into an agreed stop at the next step
+boundary. Python runs signal handlers only when the main thread returns to bytecode,
+and a rank blocked in a collective may not for a long time, so the C-level wakeup fd
+also wakes a watchdog thread: if the loop has not exited within ``grace``, the watchdog
+calls ``on_force`` (rank 0 publishes its last progress) and ends the process. Neither
+path ever writes a commit marker, so a save cut short stays uncommitted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from types import FrameType
+
+import structlog
+
+log = structlog.get_logger("regroup.trainer.stopping")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    """Exit status of a process ended by ``signum`` (shell convention 128 + n)."""
+    return 128 + signum
+
+
+def hard_exit(code: int) -> None:
+    """Exit now, without joining background threads (an unfinished save must not block)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class StopSignal:
+    """A stop request: set by a signal, or by hand in tests."""
+
+    def __init__(self, grace: timedelta = timedelta(seconds=1.5)) -> None:
+        self.grace = grace
+        self.signum = 0
+        self._event = threading.Event()
+        self._on_force: Callable[[], None] = lambda: None
+        self._read_fd = -1
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, waking early on a stop; True if a stop was requested."""
+        return self._event.wait(max(0.0, seconds))
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        if not self._event.is_set():
+            self.signum = signum
+            self._event.set()
+
+    def on_force(self, callback: Callable[[], None]) -> None:
+        """What to do just before a forced exit (best effort, must be quick)."""
+        self._on_force = callback
+
+    def install(self) -> None:
+        """Install handlers and the watchdog; call from the main thread before training."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._read_fd = read_fd
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+        threading.Thread(target=self._watch, name="stop-watchdog", daemon=True).start()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.request(signum)
+
+    def _watch(self) -> None:
+        while True:
+            data = os.read(self._read_fd, 1)
+            if not data:
+                return
+            signum = data[0]
+            if signum not in {int(s) for s in STOP_SIGNALS}:
+                continue
+            self.request(signum)
+            try:
+                # The main thread exits itself at the next boundary; past the grace, force it.
+                _quiet_log("info", "stop requested", signal=signal.Signals(signum).name)
+                threading.Event().wait(self.grace.total_seconds())
+                _quiet_log("warning", "training loop did not stop in time; exiting", grace_s=self.grace.total_seconds())
+                self._on_force()
+            finally:
+                hard_exit(exit_code(signum))
+
+
+def _quiet_log(level: str, event: str, **fields: object) -> None:
+    """Log, ignoring a closed stderr (the agent that read it may be gone): the watchdog
+    must reach its exit whatever happens to the log pipe."""
+    try:
+        getattr(log, level)(event, **fields)
+    except (OSError, ValueError):
+        pass
