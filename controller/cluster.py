@@ -35,6 +35,12 @@ class NodeInfo:
     unschedulable: bool = False
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+    gpus: int = 0
+    """``nvidia.com/gpu`` capacity (a node labelled ``nvidia.com/gpu*`` counts as having GPUs too)."""
+
+    @property
+    def has_gpus(self) -> bool:
+        return self.gpus > 0 or any(k.startswith("nvidia.com/gpu") for k in self.labels)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,14 @@ class ClusterSink(Protocol):
 
     def resynced(self, nodes: list[NodeInfo], pods: list[PodInfo]) -> None:
         """A full list: anything not in it is gone."""
+        ...
+
+    def nodes_listed(self, nodes: list[NodeInfo]) -> None:
+        """A full list of nodes only (sources that list each kind on its own)."""
+        ...
+
+    def pods_listed(self, pods: list[PodInfo]) -> None:
+        """A full list of the regroup pods only."""
         ...
 
 

@@ -10,6 +10,11 @@ This is the one place the layout is written down. All keys of a job live under
     control/expected          ExpectedMembership for the next round
     control/reform            ReformRequest ("re-form now", with a generation)
     control/checkpoint        CheckpointRequest ("checkpoint now", with a generation)
+    control/plan              ReformPlan: the controller's re-form in flight (or the last
+                              one, finished), so a new leader continues it; also the
+                              job's generation counter
+    control/status            JobStatus: the controller's verdict on the job, for
+                              ``regroup status``
     acks/<generation>/commit  CheckpointAck, written by trainer rank 0 once committed
     progress                  Progress, written by trainer rank 0
 
@@ -74,6 +79,14 @@ class JobKeys:
     @property
     def checkpoint(self) -> str:
         return self.control + "checkpoint"
+
+    @property
+    def plan(self) -> str:
+        return self.control + "plan"
+
+    @property
+    def status(self) -> str:
+        return self.control + "status"
 
     # acks/
     @property

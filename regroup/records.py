@@ -154,3 +154,66 @@ class Progress(Record):
     """Step of the checkpoint this incarnation of the trainer resumed from (0: fresh start)."""
     restart_count: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReformPlan(Record):
+    """``control/plan``: the controller's re-form of a job, in flight or the last finished.
+
+    Written by the leader with compare-and-set on its revision, so a new leader continues
+    exactly where the old one stopped. ``generation`` is the job's counter for checkpoint,
+    expected and reform requests. Times are unix seconds; 0 means "not yet".
+    """
+
+    kind: ClassVar[str] = "plan"
+    generation: int
+    cause: str
+    """reclaim, node-lost, grow, restart-storm or manual."""
+    planned: bool
+    """True while the re-form goes through a checkpoint first."""
+    phase: str
+    """checkpoint, rendezvous, resume or done."""
+    reason: str
+    nodes_before: list[str]
+    nodes_after: list[str]
+    trace_id: str
+    """Hex trace id of the re-form's trace; the span ids derive from it."""
+    detected_at: float
+    decided_at: float
+    round_before: int = 0
+    checkpoint_requested_at: float = 0.0
+    checkpoint_deadline: float = 0.0
+    acked_at: float = 0.0
+    ack_step: int = -1
+    fallback: str = ""
+    """Why a planned re-form went unplanned (missing ack, node gone first), if it did."""
+    reform_requested_at: float = 0.0
+    step_before: int = -1
+    progress_revision: int = 0
+    """Revision of ``progress`` when the re-form was requested: newer progress is post-re-form."""
+    world_size_target: int = 0
+    """Ranks expected in the trainer's ``progress.world_size`` after the re-form."""
+    round_after: int = 0
+    rendezvous_done_at: float = 0.0
+    resumed_at: float = 0.0
+    resumed_from_step: int = -1
+    lost_steps: int = -1
+    outcome: str = ""
+    """completed, timeout or superseded once ``phase`` is done."""
+    finished_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobStatus(Record):
+    """``control/status``: the controller's verdict on a job, read by ``regroup status``."""
+
+    kind: ClassVar[str] = "status"
+    state: str
+    """healthy, reforming, waiting, stalled or bad-config."""
+    reason: str
+    world_size: int
+    min_nodes: int = 0
+    max_nodes: int = 0
+    nodes: list[str] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)
+    updated_at: float = 0.0

@@ -1,0 +1,615 @@
+"""``decide(snapshot, now, settings) -> Decision``: the controller's whole policy, pure.
+
+Level-triggered: the same snapshot gives the same actions, and every write it asks for
+is checked against what etcd already holds, so repeating a decision is harmless. One
+re-form at a time per job: while ``control/plan`` is in flight, new signals only steer
+that plan (a node lost mid-checkpoint forces the unplanned path) or wait for the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from controller.cluster import ObjectRef, PodInfo
+from controller.jobconfig import JobConfig, resolve_job_config
+from controller.settings import ControllerSettings
+from controller.signals import ReclaimNotice, node_verdict, signal_key
+from controller.snapshot import (
+    Action,
+    Alerts,
+    Cordon,
+    Decision,
+    DeletePod,
+    JobSnapshot,
+    PostEvent,
+    WriteCheckpointRequest,
+    WriteExpected,
+    WritePlan,
+    WritePresence,
+    WriteReform,
+    WriteStatus,
+)
+from controller.trace_ids import new_trace_id, traceparent
+from regroup.records import (
+    CheckpointRequest,
+    ControllerPresence,
+    ExpectedMembership,
+    JobStatus,
+    ReformPlan,
+    ReformRequest,
+)
+
+DONE = "done"
+
+
+@dataclass
+class _Health:
+    """Per-node classification of the job's nodes at this moment."""
+
+    lost: dict[str, str] = field(default_factory=dict)
+    """node -> why it is gone for training."""
+    lost_since: dict[str, float] = field(default_factory=dict)
+    storm: set[str] = field(default_factory=set)
+    notices: dict[str, ReclaimNotice] = field(default_factory=dict)
+    seen: dict[str, float] = field(default_factory=dict)
+    """node -> when the controller first saw its notice (the detect phase starts there)."""
+
+
+@dataclass
+class _Out:
+    actions: list[Action] = field(default_factory=list)
+    requeue: list[float] = field(default_factory=list)
+    """Seconds from now after which to look again."""
+
+    def again_in(self, seconds: float) -> None:
+        self.requeue.append(max(0.0, seconds))
+
+
+def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision:
+    """Everything the controller wants done for job ``s`` at ``now``, with the reason."""
+    out = _Out()
+    resolved = s.resolved if s.resolved is not None else resolve_job_config(s.pods, settings.jobs)
+    config, problems, newest = resolved.config, resolved.problems, resolved.newest
+    for problem in problems:
+        ref = ObjectRef("Pod", problem.pod.name, problem.pod.namespace, problem.pod.uid)
+        out.actions.append(PostEvent(ref, "Warning", problem.kind, problem.message))
+    if s.presence is None or s.presence.identity != s.identity:
+        out.actions.append(WritePresence(ControllerPresence(identity=s.identity, since=now)))
+    gpu_alert = _rendezvous_on_gpu(s, resolved.rendezvous_pods, out)
+    flapping = _flapping(s, now, settings, newest, out)
+    world = _world(s)
+    if config is None:
+        bad = any(p.kind == "BadConfig" for p in problems)
+        reason = "bad configuration: " + "; ".join(p.message for p in problems) if bad else "no worker pods"
+        _status(s, out, "bad-config" if bad else "waiting", reason, world, None, now)
+        return _decision(out, reason, len(world), None, Alerts(bad_config=bad, flapping=flapping, rendezvous_on_gpu=gpu_alert))
+
+    health = _health(s, world, config, now)
+    _restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
+    joiners = _joiners(s, world, health)
+    plan = s.plan
+    if plan is not None and plan.phase != DONE:
+        reason = _advance(s, plan, config, health, now, settings, out)
+        state = "reforming"
+        stalled = False
+    else:
+        reason, stalled = _start(s, world, joiners, config, health, now, settings, newest, out)
+        state = "stalled" if stalled else ("reforming" if out.actions and _started(out) else "healthy")
+    live = sorted(n for n in world if n not in health.lost)
+    _status(s, out, state, reason, live, config, now, flapping=flapping, gpu=gpu_alert)
+    alerts = Alerts(stalled=stalled, flapping=flapping, rendezvous_on_gpu=gpu_alert)
+    return _decision(out, reason, len(live), config, alerts)
+
+
+# --- observation helpers -------------------------------------------------------------
+
+
+def _world(s: JobSnapshot) -> set[str]:
+    """Nodes of the job's current round, including members that vanished from it."""
+    world = set(s.world_seen)  # the model adds every member of world_round to it
+    plan = s.plan
+    if plan is not None and plan.phase == DONE and plan.outcome == "completed" and plan.round_after == s.world_round:
+        world.update(plan.nodes_after)
+    return world
+
+
+def _pod_by_name(s: JobSnapshot) -> Mapping[str, PodInfo]:
+    return s.pods_by_name if s.pods_by_name is not None else {p.name: p for p in s.pods}
+
+
+def _health(s: JobSnapshot, world: set[str], config: JobConfig, now: float) -> _Health:
+    health = _Health()
+    pods = _pod_by_name(s)
+    candidates = set(world) | s.members.keys()
+    if s.suspects is not None:
+        candidates &= s.suspects
+    members, nodes, world_round = s.members, s.nodes, s.world_round
+    cached = s.verdicts if not config.reclaim_taints else None
+    for node in candidates:
+        member = members.get(node)
+        lost: str | None = None
+        since = now
+        if member is not None and member.round == world_round:
+            # The common case, checked inline: a healthy member of the round on a clean node.
+            pod = pods.get(member.pod) if member.pod else None
+            info = nodes.get(node)
+            if (
+                (pod is not None or not member.pod)
+                and (pod is None or (not pod.deleting and pod.phase not in ("Failed", "Succeeded")))
+                and info is not None
+                and info.ready is True
+                and not info.taints
+                and not info.unschedulable
+            ):
+                continue
+        if member is None:
+            lost, since = "member lease expired", s.first_seen.get(signal_key(node, "member-gone"), now)
+        elif node in world and node in s.world_agents and member.joined_at != s.world_agents[node]:
+            # A new agent registered on the node: the one in the round (and its workers) died.
+            lost = f"agent on {node} restarted"
+        elif member.pod:
+            pod = pods.get(member.pod)
+            if pod is None and s.pods_synced:
+                lost, since = f"pod {member.pod} deleted", s.first_seen.get(signal_key(node, "pod-gone"), now)
+            elif pod is not None and pod.deleting:
+                lost, since = f"pod {member.pod} deleted or evicted", s.first_seen.get(signal_key(node, "pod-gone"), now)
+            elif pod is not None and pod.phase in ("Failed", "Succeeded"):
+                lost = f"pod {member.pod} {pod.phase}"
+        if lost is None:
+            info = s.nodes.get(node)
+            if info is not None or s.nodes_synced:
+                verdict = cached.get(node) if cached is not None else None
+                if verdict is None:
+                    verdict = node_verdict(info, node, config.reclaim_taints, s.first_seen, now)
+                if verdict.lost is not None:
+                    lost, since = verdict.lost, verdict.lost_since or now
+                elif verdict.notice is not None:
+                    health.notices[node] = verdict.notice
+                    key = "unschedulable" if verdict.notice.signal == "spec.unschedulable" else "taint:" + verdict.notice.signal
+                    health.seen[node] = min(now, s.first_seen.get(signal_key(node, key), now))
+        if lost is not None:
+            health.lost[node] = lost
+            health.lost_since[node] = min(since, now)
+    return health
+
+
+def _joiners(s: JobSnapshot, world: set[str], health: _Health) -> list[str]:
+    """Healthy members waiting outside the current round, oldest first."""
+    waiting = [
+        n
+        for n, m in s.members.items()
+        if n not in world and m.round != s.world_round and n not in health.lost and n not in health.notices
+        and n not in health.storm
+    ]
+    return sorted(waiting, key=lambda n: (_joiner_seen(s, n), n))
+
+
+def _joiner_seen(s: JobSnapshot, node: str) -> float:
+    member = s.members[node]
+    return s.first_seen.get(signal_key(node, f"member:{member.round}"), member.joined_at)
+
+
+def _rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: _Out) -> bool:
+    alert = False
+    for pod in pods:
+        if pod.node is None:
+            continue
+        node = s.nodes.get(pod.node)
+        if node is not None and node.has_gpus:
+            alert = True
+            out.actions.append(
+                PostEvent(
+                    ObjectRef("Pod", pod.name, pod.namespace, pod.uid),
+                    "Warning",
+                    "RendezvousOnGPUNode",
+                    f"rendezvous pod {pod.name} runs on GPU node {pod.node}: a reclaim of that node takes the "
+                    "job's etcd with it; pin it to CPU nodes",
+                )
+            )
+    return alert
+
+
+def _flapping(s: JobSnapshot, now: float, settings: ControllerSettings, newest: PodInfo | None, out: _Out) -> bool:
+    window = settings.reform.flapping_window.total_seconds()
+    recent = [t for t in s.round_times if now - window <= t <= now]
+    if len(recent) < settings.reform.flapping_rounds:
+        return False
+    if newest is not None:
+        out.actions.append(
+            PostEvent(
+                ObjectRef("Pod", newest.name, newest.namespace, newest.uid),
+                "Warning",
+                "RendezvousFlapping",
+                f"job {s.job}: {len(recent)} rendezvous rounds within {settings.reform.flapping_window}",
+            )
+        )
+    # Requeue so the alert clears once the window has passed.
+    out.again_in(min(recent) + window - now)
+    return True
+
+
+def _restart_storms(
+    s: JobSnapshot,
+    config: JobConfig,
+    pods_on: Mapping[str, tuple[PodInfo, ...]],
+    health: _Health,
+    now: float,
+    settings: ControllerSettings,
+    out: _Out,
+) -> None:
+    window = config.storm_window.total_seconds()
+    budget = settings.cordon.budget(s.fleet.hosting_nodes)
+    cordoned = set(s.fleet.cordoned)
+    for node in sorted(s.restarts):
+        times = s.restarts[node]
+        # Times are in order: the K-th newest restart decides whether K fall in the window.
+        if len(times) < config.storm_restarts or times[-config.storm_restarts] < now - window:
+            continue
+        recent = [t for t in times if now - window <= t <= now]
+        if len(recent) < config.storm_restarts:
+            continue
+        health.storm.add(node)
+        out.again_in(min(recent) + window - now)
+        why = f"{len(recent)} rank restarts within {config.storm_window} (limit {config.storm_restarts}) on node {node}"
+        if node not in cordoned:
+            if len(cordoned) >= budget:
+                out.actions.append(
+                    PostEvent(
+                        ObjectRef("Node", node),
+                        "Warning",
+                        "CordonBudgetExhausted",
+                        f"{why}; not cordoned: {len(cordoned)} nodes already cordoned, budget {budget}",
+                    )
+                )
+                health.storm.discard(node)
+                continue
+            cordoned.add(node)
+            out.actions.append(Cordon(node, why))
+            out.actions.append(PostEvent(ObjectRef("Node", node), "Warning", "RestartStorm", f"cordoned: {why}"))
+        for pod in pods_on.get(node, ()):
+            if not pod.deleting:
+                out.actions.append(DeletePod(pod.namespace, pod.name, f"restart storm: {why}"))
+        if node in s.members or node in health.lost:
+            health.lost.setdefault(node, f"restart storm: {why}")
+            health.lost_since.setdefault(node, min(recent[config.storm_restarts - 1], now))
+
+
+# --- starting a re-form --------------------------------------------------------------
+
+
+def _started(out: _Out) -> bool:
+    return any(isinstance(a, WritePlan) for a in out.actions)
+
+
+def _next_generation(s: JobSnapshot) -> int:
+    gens = [0]
+    for record in (s.plan, s.checkpoint, s.expected, s.reform):
+        if record is not None:
+            gens.append(record.generation)
+    gens.extend(s.acks)
+    return max(gens) + 1
+
+
+def _clamp(survivors: Iterable[str], joiners: list[str], max_nodes: int) -> list[str]:
+    keep = sorted(survivors)[:max_nodes]
+    return keep + joiners[: max(0, max_nodes - len(keep))]
+
+
+def _start(
+    s: JobSnapshot,
+    world: set[str],
+    joiners: list[str],
+    config: JobConfig,
+    health: _Health,
+    now: float,
+    settings: ControllerSettings,
+    newest: PodInfo | None,
+    out: _Out,
+) -> tuple[str, bool]:
+    """Begin a re-form if the job needs one. Returns (reason, stalled)."""
+    lost = {n: r for n, r in health.lost.items() if n in world}
+    leaving = {n: notice for n, notice in health.notices.items() if n in world}
+    survivors = world - set(lost) - set(leaving)
+    if lost:
+        target = _clamp(survivors, joiners, config.max_nodes)
+        storm_only = all(n in health.storm for n in lost)
+        cause = "restart-storm" if storm_only else "node-lost"
+        what = ", ".join(f"{n} ({r})" for n, r in sorted(lost.items()))
+        if len(target) < config.min_nodes:
+            return _stall(s, out, newest, f"lost {what}: {len(target)} nodes left, below min {config.min_nodes}")
+        detected = min(health.lost_since[n] for n in lost)
+        _begin(s, out, now, cause, False, f"lost {what}", world, target, detected, settings, config)
+        return f"unplanned re-form ({cause}): lost {what}", False
+    if leaving:
+        target = _clamp(survivors, joiners, config.max_nodes)
+        what = ", ".join(f"{n} ({notice.signal}, {notice.source})" for n, notice in sorted(leaving.items()))
+        if len(target) < config.min_nodes:
+            return _stall(s, out, newest, f"reclaim of {what} leaves {len(target)} nodes, below min {config.min_nodes}")
+        detected = min(health.seen[n] for n in leaving)
+        deadline = now + config.checkpoint_timeout.total_seconds()
+        for notice in leaving.values():
+            if notice.ends_at is not None:
+                deadline = min(deadline, notice.ends_at - settings.reform.notice_margin.total_seconds())
+        planned = deadline > now and s.progress is not None
+        _begin(s, out, now, "reclaim", planned, f"reclaim notice on {what}", world, target, detected, settings, config, deadline)
+        return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
+    if len(world) > config.max_nodes:
+        target = sorted(world)[: config.max_nodes]
+        deadline = now + config.checkpoint_timeout.total_seconds()
+        why = f"{len(world)} nodes exceed max {config.max_nodes}"
+        _begin(s, out, now, "manual", s.progress is not None, why, world, target, now, settings, config, deadline)
+        return f"shrink to max: {why}", False
+    live = len(world)
+    if joiners and live < config.max_nodes:
+        capacity = config.max_nodes - live
+        # A joiner can only be added once the current round exists: the wait starts then.
+        opened = max(_joiner_seen(s, joiners[0]), s.round_times[-1] if s.round_times else 0.0)
+        closes = opened + config.join_window.total_seconds()
+        if now < closes and len(joiners) < capacity:
+            out.again_in(closes - now)
+            return f"gathering {len(joiners)} joining nodes until the join window closes", live < config.min_nodes
+        target = _clamp(world, joiners, config.max_nodes)
+        if len(target) < config.min_nodes:
+            return _stall(s, out, newest, f"{len(target)} nodes available, below min {config.min_nodes}")
+        added = ", ".join(target[live:])
+        planned = live >= config.min_nodes and s.progress is not None
+        deadline = now + config.checkpoint_timeout.total_seconds()
+        _begin(s, out, now, "grow", planned, f"nodes joining: {added}", world, target, min(opened, now), settings, config, deadline)
+        return f"grow to {len(target)} nodes: {added} joining", False
+    if world and live < config.min_nodes:
+        return _stall(s, out, newest, f"{live} nodes, below min {config.min_nodes}")
+    if joiners:
+        return f"{len(joiners)} nodes waiting, job at max {config.max_nodes}", False
+    return f"steady at {live} nodes", False
+
+
+def _stall(s: JobSnapshot, out: _Out, newest: PodInfo | None, why: str) -> tuple[str, bool]:
+    if newest is not None:
+        ref = ObjectRef("Pod", newest.name, newest.namespace, newest.uid)
+        out.actions.append(PostEvent(ref, "Warning", "JobStalled", f"job {s.job} stalled: {why}"))
+    return f"stalled: {why}", True
+
+
+def _begin(
+    s: JobSnapshot,
+    out: _Out,
+    now: float,
+    cause: str,
+    planned: bool,
+    reason: str,
+    world: set[str],
+    target: list[str],
+    detected: float,
+    settings: ControllerSettings,
+    config: JobConfig,
+    deadline: float = 0.0,
+) -> None:
+    generation = _next_generation(s)
+    plan = ReformPlan(
+        generation=generation,
+        cause=cause,
+        planned=planned,
+        phase="checkpoint" if planned else "rendezvous",
+        reason=reason,
+        nodes_before=sorted(world),
+        nodes_after=list(target),
+        trace_id=new_trace_id(s.namespace, s.job, generation, now),
+        detected_at=min(detected, now),
+        decided_at=now,
+        round_before=s.world_round,
+    )
+    if planned:
+        plan = dataclasses.replace(plan, checkpoint_requested_at=now, checkpoint_deadline=deadline)
+        out.actions.append(WritePlan(plan, s.plan_revision))
+        out.actions.append(WriteCheckpointRequest(_checkpoint_request(plan)))
+        out.again_in(deadline - now)
+    else:
+        plan = _request_reform(s, plan, now)
+        out.actions.append(WritePlan(plan, s.plan_revision))
+        _reform_writes(plan, out)
+        out.again_in(settings.reform.rendezvous_timeout.total_seconds())
+
+
+def _checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
+    return CheckpointRequest(
+        generation=plan.generation,
+        deadline=plan.checkpoint_deadline,
+        hold=True,
+        reason=plan.reason,
+        traceparent=traceparent(plan.trace_id, "checkpoint"),
+        requested_at=plan.checkpoint_requested_at,
+    )
+
+
+def _request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
+    """The plan as it stands when ``control/expected`` and ``control/reform`` go out."""
+    step = s.progress.step if s.progress is not None else -1
+    ack = s.acks.get(plan.generation)
+    if ack is not None:
+        step = max(step, ack.step)
+    ranks = 0
+    for node in plan.nodes_after:
+        member = s.members.get(node)
+        ranks += member.local_world_size if member is not None else 0
+    return dataclasses.replace(
+        plan,
+        phase="rendezvous",
+        reform_requested_at=now,
+        step_before=step,
+        progress_revision=s.progress_revision,
+        world_size_target=ranks,
+    )
+
+
+def _reform_writes(plan: ReformPlan, out: _Out, s: JobSnapshot | None = None) -> None:
+    rdzv = traceparent(plan.trace_id, "rendezvous")
+    if s is None or s.expected is None or s.expected.generation != plan.generation:
+        out.actions.append(
+            WriteExpected(ExpectedMembership(plan.generation, list(plan.nodes_after), plan.reason, rdzv))
+        )
+    if s is None or s.reform is None or s.reform.generation != plan.generation:
+        out.actions.append(
+            WriteReform(ReformRequest(plan.generation, plan.cause, plan.reason, rdzv, plan.reform_requested_at))
+        )
+
+
+# --- driving a re-form in flight -----------------------------------------------------
+
+
+def _advance(
+    s: JobSnapshot,
+    plan: ReformPlan,
+    config: JobConfig,
+    health: _Health,
+    now: float,
+    settings: ControllerSettings,
+    out: _Out,
+) -> str:
+    lost_targets = sorted(n for n in plan.nodes_after if n in health.lost)
+    if plan.phase == "checkpoint":
+        if s.checkpoint is None or s.checkpoint.generation != plan.generation:
+            out.actions.append(WriteCheckpointRequest(_checkpoint_request(plan)))
+        ack = s.acks.get(plan.generation)
+        leaving = set(plan.nodes_before) - set(plan.nodes_after)
+        vanished = sorted(n for n in leaving if n in health.lost)
+        fallback = ""
+        if ack is None:
+            if lost_targets:
+                fallback = f"{', '.join(lost_targets)} lost before the checkpoint ack"
+            elif vanished:
+                fallback = f"{', '.join(vanished)} vanished before the checkpoint ack"
+            elif now >= plan.checkpoint_deadline:
+                fallback = "no checkpoint ack by the deadline"
+            else:
+                out.again_in(plan.checkpoint_deadline - now)
+                return f"re-form {plan.generation}: waiting for the checkpoint ack"
+        acked_at = min(now, s.first_seen.get(signal_key("", f"ack:{plan.generation}"), now)) if ack else now
+        nodes = [n for n in plan.nodes_after if n not in health.lost]
+        if len(nodes) < config.min_nodes:
+            return _finish(s, plan, now, "superseded", out, f"only {len(nodes)} target nodes left, below min {config.min_nodes}")
+        updated = dataclasses.replace(
+            plan,
+            acked_at=acked_at,
+            ack_step=ack.step if ack is not None else -1,
+            planned=ack is not None,
+            fallback=fallback,
+            nodes_after=nodes,
+        )
+        updated = _request_reform(s, updated, now)
+        out.actions.append(WritePlan(updated, s.plan_revision))
+        _reform_writes(updated, out)
+        out.again_in(settings.reform.rendezvous_timeout.total_seconds())
+        if fallback:
+            return f"re-form {plan.generation}: unplanned fallback: {fallback}"
+        return f"re-form {plan.generation}: checkpoint acked at step {ack.step if ack else -1}, re-forming"
+    if plan.phase == "rendezvous":
+        _reform_writes(plan, out, s)
+        rounds = [s.members[n].round for n in plan.nodes_after if n in s.members]
+        # Formed: the rendezvous' round record lists every expected node in a newer round,
+        # or (without that record) every expected member reports a newer round.
+        formed = s.world_round > plan.round_before and set(plan.nodes_after) <= s.world_seen and bool(s.world_agents)
+        if formed or (len(rounds) == len(plan.nodes_after) and all(r > plan.round_before for r in rounds)):
+            round_after = s.world_round if formed else max(rounds)
+            updated = dataclasses.replace(plan, phase="resume", round_after=round_after, rendezvous_done_at=now)
+            out.actions.append(WritePlan(updated, s.plan_revision))
+            out.again_in(settings.reform.resume_timeout.total_seconds())
+            return f"re-form {plan.generation}: round {round_after} formed with {len(plan.nodes_after)} nodes"
+        if lost_targets:
+            return _finish(s, plan, now, "superseded", out, f"{', '.join(lost_targets)} lost during the rendezvous")
+        elapsed = now - plan.reform_requested_at
+        limit = settings.reform.rendezvous_timeout.total_seconds()
+        if elapsed >= limit:
+            return _finish(s, plan, now, "timeout", out, "expected members did not all join the new round")
+        out.again_in(limit - elapsed)
+        pending = [n for n in plan.nodes_after if n not in s.members or s.members[n].round <= plan.round_before]
+        return f"re-form {plan.generation}: waiting for {', '.join(pending)} to join the new round"
+    if plan.phase == "resume":
+        _reform_writes(plan, out, s)
+        progress = s.progress
+        if (
+            progress is not None
+            and s.progress_revision > plan.progress_revision
+            and (plan.world_size_target == 0 or progress.world_size == plan.world_size_target)
+        ):
+            seen = min(now, s.first_seen.get(signal_key("", "progress"), now))
+            lost_steps = max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
+            resumed = dataclasses.replace(
+                plan, resumed_at=max(seen, plan.rendezvous_done_at), resumed_from_step=progress.resumed_from_step,
+                lost_steps=lost_steps,
+            )
+            return _finish(s, resumed, now, "completed", out, f"resumed from step {progress.resumed_from_step}")
+        if lost_targets:
+            return _finish(s, plan, now, "superseded", out, f"{', '.join(lost_targets)} lost before the trainer resumed")
+        elapsed = now - plan.rendezvous_done_at
+        limit = settings.reform.resume_timeout.total_seconds()
+        if elapsed >= limit:
+            return _finish(s, plan, now, "timeout", out, "the trainer reported no progress at the new size")
+        out.again_in(limit - elapsed)
+        return f"re-form {plan.generation}: waiting for the trainer to resume at the new size"
+    return _finish(s, plan, now, "superseded", out, f"unknown phase {plan.phase!r}")
+
+
+def _finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: str, out: _Out, why: str) -> str:
+    done = dataclasses.replace(plan, phase=DONE, outcome=outcome, finished_at=now)
+    out.actions.append(WritePlan(done, s.plan_revision, finished=True))
+    if outcome != "completed":
+        out.again_in(0)
+    return f"re-form {plan.generation} {outcome}: {why}"
+
+
+# --- status --------------------------------------------------------------------------
+
+
+def _status(
+    s: JobSnapshot,
+    out: _Out,
+    state: str,
+    reason: str,
+    nodes: Iterable[str],
+    config: JobConfig | None,
+    now: float,
+    flapping: bool = False,
+    gpu: bool = False,
+) -> None:
+    alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
+    nodes = sorted(nodes)
+    status = JobStatus(
+        state=state,
+        reason=reason,
+        world_size=len(nodes),
+        min_nodes=config.min_nodes if config else 0,
+        max_nodes=config.max_nodes if config else 0,
+        nodes=nodes,
+        alerts=alerts,
+        updated_at=now,
+    )
+    old = s.status
+    # The reason alone changing (counts, phases) is not worth a write per decision.
+    if old is None or (old.state, old.world_size, old.min_nodes, old.max_nodes, old.nodes, old.alerts) != (
+        state, status.world_size, status.min_nodes, status.max_nodes, nodes, alerts
+    ):
+        out.actions.append(WriteStatus(status))
+
+
+def _decision(out: _Out, reason: str, world_size: int, config: JobConfig | None, alerts: Alerts) -> Decision:
+    requeue = timedelta(seconds=min(out.requeue)) if out.requeue else None
+    return Decision(
+        actions=tuple(out.actions),
+        reason=reason,
+        requeue_after=requeue,
+        world_size=world_size,
+        min_nodes=config.min_nodes if config else 0,
+        max_nodes=config.max_nodes if config else 0,
+        alerts=alerts,
+    )
+
+
+def summarize(actions: Iterable[Action]) -> Mapping[str, int]:
+    """Count of actions by type, for logs."""
+    counts: dict[str, int] = {}
+    for action in actions:
+        counts[type(action).__name__] = counts.get(type(action).__name__, 0) + 1
+    return counts

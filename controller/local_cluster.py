@@ -1,0 +1,441 @@
+"""The local cluster adapter: nodes are local process groups (behind ``regroup demo``).
+
+Each node runs one worker "pod": a torchrun agent started in its own session, whose
+workers torchrun starts in sessions of their own. The signals are the ones a
+Kubernetes cluster gives the controller:
+
+- a reclaim notice is a taint on the node, followed after the notice window by the
+  node's death;
+- a node loss is SIGKILL of everything on the node (agent and workers: the whole
+  process tree, frozen first so nothing forks in between), and the node disappears;
+- a node return is a new node with a new agent;
+- an agent that exits with an error is restarted in place (the pod's restart count
+  goes up), as a kubelet would; one that exits cleanly (left out of a round) has its
+  pod replaced by a fresh one; ``delete_pod`` stops it for good on a cordoned node
+  and starts a fresh pod on a schedulable one, as a workload controller would.
+
+Only processes this adapter started, and their descendants, are ever signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import structlog
+
+from controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodInfo, Taint
+
+log = structlog.get_logger("regroup.local_cluster")
+
+CORDON_ANNOTATION = "regroup.dev/cordon-reason"
+
+
+@dataclass(frozen=True)
+class AgentCommand:
+    """How to start one node's agent."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    """stdout and stderr of the agent and its workers, appended."""
+
+
+AgentLauncher = Callable[[str, str, int], AgentCommand]
+"""``(node, pod, attempt) -> AgentCommand``; attempt counts restarts of the pod's agent."""
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    """An Event as the controller posted it (or the adapter, for what it did itself)."""
+
+    time: float
+    kind: Literal["Pod", "Node"]
+    name: str
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+    source: str = "controller"
+
+
+# ---------------------------------------------------------------- process trees
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time in clock ticks) of ``pid``, or None if it is gone or a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None  # dead already, waiting for its parent to reap it
+    return int(fields[1]), int(fields[19])
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """``root`` and all its descendants, as ``{pid: start_time}``."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _proc_stat(int(entry))
+        if stat is not None:
+            children.setdefault(stat[0], []).append(int(entry))
+            starts[int(entry)] = stat[1]
+    if root not in starts:
+        return {}
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in starts and pid not in tree:
+            tree[pid] = starts[pid]
+            todo.extend(children.get(pid, []))
+    return tree
+
+
+def _signal_known(pids: dict[int, int], sig: int) -> None:
+    """Signal each pid that is still the same process (same start time): no pid-reuse victims."""
+    for pid, started in pids.items():
+        stat = _proc_stat(pid)
+        if stat is not None and stat[1] == started:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def kill_tree(root: int) -> dict[int, int]:
+    """SIGKILL ``root`` and every descendant, freezing them first so none can fork or
+    be orphaned between the listing and the kill. Returns what was killed."""
+    frozen: dict[int, int] = {}
+    while True:
+        tree = process_tree(root)
+        new = {pid: start for pid, start in tree.items() if pid not in frozen}
+        if not new:
+            break
+        _signal_known(new, signal.SIGSTOP)
+        frozen.update(new)
+    _signal_known(frozen, signal.SIGKILL)
+    return frozen
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+@dataclass
+class _Node:
+    name: str
+    taints: list[Taint] = field(default_factory=list)
+    unschedulable: bool = False
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    def info(self) -> NodeInfo:
+        return NodeInfo(
+            name=self.name,
+            taints=tuple(self.taints),
+            ready=True,
+            unschedulable=self.unschedulable,
+            annotations=dict(self.annotations),
+        )
+
+    @property
+    def schedulable(self) -> bool:
+        return not self.unschedulable and not any(t.effect in ("NoSchedule", "NoExecute") for t in self.taints)
+
+
+@dataclass
+class _Pod:
+    info: PodInfo
+    process: asyncio.subprocess.Process | None = None
+    supervisor: asyncio.Task[None] | None = None
+    exit_codes: list[int] = field(default_factory=list)
+
+
+_Change = tuple[str, object]
+
+
+class LocalCluster:
+    """Nodes as local process groups; a ``ClusterSource`` and a ``ClusterActuator``."""
+
+    def __init__(
+        self,
+        namespace: str,
+        job: str,
+        annotations: dict[str, str],
+        launch: AgentLauncher,
+        *,
+        restart_backoff: timedelta = timedelta(seconds=1),
+        stop_grace: timedelta = timedelta(seconds=5),
+        on_event: Callable[[ClusterEvent], None] | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.job = job
+        self._annotations = dict(annotations)
+        self._launch = launch
+        self._restart_backoff = restart_backoff
+        self._stop_grace = stop_grace
+        self._on_event = on_event
+        self._nodes: dict[str, _Node] = {}
+        self._pods: dict[str, _Pod] = {}
+        self._subscribers: set[asyncio.Queue[_Change]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.events: list[ClusterEvent] = []
+
+    # ------------------------------------------------------------ observation
+
+    def nodes(self) -> list[NodeInfo]:
+        return [n.info() for n in self._nodes.values()]
+
+    def pods(self) -> list[PodInfo]:
+        return [p.info for p in self._pods.values()]
+
+    def node(self, name: str) -> NodeInfo | None:
+        node = self._nodes.get(name)
+        return node.info() if node else None
+
+    def pod_on(self, node: str) -> PodInfo | None:
+        return next((p.info for p in self._pods.values() if p.info.node == node), None)
+
+    def agent_pid(self, node: str) -> int | None:
+        pod = next((p for p in self._pods.values() if p.info.node == node), None)
+        if pod is None or pod.process is None or pod.process.returncode is not None:
+            return None
+        return pod.process.pid
+
+    async def run(self, sink: ClusterSink) -> None:
+        """ClusterSource: a full list, then every change, until cancelled."""
+        queue: asyncio.Queue[_Change] = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            sink.resynced(self.nodes(), self.pods())
+            while True:
+                kind, payload = await queue.get()
+                if kind == "node":
+                    sink.node_changed(payload)  # type: ignore[arg-type]
+                elif kind == "node-deleted":
+                    sink.node_deleted(payload)  # type: ignore[arg-type]
+                elif kind == "pod":
+                    sink.pod_changed(payload)  # type: ignore[arg-type]
+                elif kind == "pod-deleted":
+                    sink.pod_deleted(self.namespace, payload)  # type: ignore[arg-type]
+        finally:
+            self._subscribers.discard(queue)
+
+    def _publish(self, kind: str, payload: object) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait((kind, payload))
+
+    def _record(self, event: ClusterEvent) -> None:
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+    # ------------------------------------------------------------ scripted churn
+
+    async def add_node(self, name: str) -> None:
+        """A node joins (or comes back) and its worker pod starts on it."""
+        if name in self._nodes:
+            raise ValueError(f"node {name!r} already exists")
+        self._nodes[name] = _Node(name)
+        self._publish("node", self._nodes[name].info())
+        self._record(ClusterEvent(time.time(), "Node", name, "Normal", "NodeReady", "node joined", "cluster"))
+        await self._create_pod(name)
+
+    async def taint_node(self, name: str, key: str, value: str = "", effect: str = "NoSchedule") -> None:
+        node = self._require(name)
+        node.taints = [t for t in node.taints if t.key != key] + [Taint(key, value, effect, time.time())]
+        self._publish("node", node.info())
+
+    async def reclaim_notice(self, name: str, taint_key: str, notice: timedelta) -> None:
+        """Taint the node now; after ``notice`` it dies as ``remove_node`` kills it."""
+        deadline = time.time() + notice.total_seconds()
+        await self.taint_node(name, taint_key, str(int(deadline)))
+        self._record(
+            ClusterEvent(
+                time.time(), "Node", name, "Warning", "ReclaimNotice",
+                f"{taint_key}: node goes away in {notice.total_seconds():.0f}s", "cluster",
+            )
+        )  # fmt: skip
+
+        async def expire() -> None:
+            await asyncio.sleep(notice.total_seconds())
+            if name in self._nodes:
+                await self.remove_node(name, reason="reclaimed")
+
+        self._own(asyncio.create_task(expire(), name=f"reclaim-{name}"))
+
+    async def remove_node(self, name: str, reason: str = "lost") -> None:
+        """The node vanishes: everything on it is SIGKILLed, then it and its pod are gone."""
+        self._require(name)
+        for pod_name, pod in list(self._pods.items()):
+            if pod.info.node == name:
+                self._pods.pop(pod_name)
+                await self._stop_supervisor(pod)
+                killed = kill_tree(pod.process.pid) if pod.process and pod.process.returncode is None else {}
+                if pod.process is not None:
+                    await pod.process.wait()
+                log.info("node killed", node=name, reason=reason, processes=len(killed))
+                self._publish("pod-deleted", pod_name)
+        self._nodes.pop(name)
+        self._publish("node-deleted", name)
+        self._record(ClusterEvent(time.time(), "Node", name, "Warning", "NodeGone", reason, "cluster"))
+
+    def crash_workers(self, node: str) -> int:
+        """SIGKILL the workers of the node's agent (not the agent): its ranks crash and the
+        agent restarts them. Returns how many processes were killed."""
+        pid = self.agent_pid(node)
+        if pid is None:
+            return 0
+        tree = process_tree(pid)
+        tree.pop(pid, None)
+        _signal_known(tree, signal.SIGKILL)
+        return len(tree)
+
+    async def stop(self) -> None:
+        """Stop every agent (SIGTERM, then SIGKILL of the tree after the grace) and task."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        pods = list(self._pods.values())
+        self._pods.clear()
+        await asyncio.gather(*(self._terminate(pod) for pod in pods))
+
+    # ------------------------------------------------------------ ClusterActuator
+
+    async def cordon(self, node: str, reason: str, taint_key: str, now: float) -> None:
+        target = self._nodes.get(node)
+        if target is None:
+            return
+        already = target.unschedulable and any(t.key == taint_key for t in target.taints)
+        target.unschedulable = True
+        if not any(t.key == taint_key for t in target.taints):
+            target.taints.append(Taint(taint_key, "", "NoSchedule", now))
+        target.annotations[CORDON_ANNOTATION] = f"{reason} (at {now:.0f})"
+        self._publish("node", target.info())
+        if not already:
+            self._record(ClusterEvent(time.time(), "Node", node, "Warning", "Cordoned", reason, "cluster"))
+
+    async def delete_pod(self, namespace: str, name: str, reason: str) -> None:
+        pod = self._pods.get(name)
+        if namespace != self.namespace or pod is None or pod.info.deleting:
+            return
+        pod.info = replace(pod.info, deleting=True)
+        self._publish("pod", pod.info)
+        await self._terminate(pod)
+        if self._pods.get(name) is pod:
+            self._pods.pop(name)
+        self._publish("pod-deleted", name)
+        self._record(ClusterEvent(time.time(), "Pod", name, "Normal", "Deleted", reason, "cluster"))
+        node = self._nodes.get(pod.info.node or "")
+        if node is not None and node.schedulable:
+            await self._create_pod(node.name)
+
+    async def post_event(
+        self, ref: ObjectRef, type_: Literal["Normal", "Warning"], reason: str, message: str
+    ) -> None:
+        self._record(ClusterEvent(time.time(), ref.kind, ref.name, type_, reason, message))
+
+    # ------------------------------------------------------------ pods
+
+    def _require(self, name: str) -> _Node:
+        node = self._nodes.get(name)
+        if node is None:
+            raise KeyError(f"no node {name!r}")
+        return node
+
+    def _own(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("local cluster task failed", task=task.get_name(), error=repr(task.exception()))
+
+    async def _create_pod(self, node: str) -> None:
+        name = f"{node}-worker"
+        info = PodInfo(
+            namespace=self.namespace,
+            name=name,
+            uid=str(uuid.uuid4()),
+            job=self.job,
+            node=node,
+            annotations=dict(self._annotations),
+            created_at=time.time(),
+            labels={JOB_LABEL: self.job},
+        )
+        pod = _Pod(info)
+        self._pods[name] = pod
+        await self._start_agent(pod)
+        self._publish("pod", pod.info)
+        pod.supervisor = asyncio.create_task(self._supervise(pod), name=f"supervise-{name}")
+        self._own(pod.supervisor)
+
+    async def _start_agent(self, pod: _Pod) -> None:
+        command = self._launch(pod.info.node or "", pod.info.name, pod.info.restart_count)
+        command.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(command.log_path, "ab") as out:  # noqa: ASYNC230 - a local append-only log file
+            pod.process = await asyncio.create_subprocess_exec(
+                *command.argv, env=command.env, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    async def _supervise(self, pod: _Pod) -> None:
+        """Restart the agent in place when it fails, as a kubelet restarts a container."""
+        while True:
+            assert pod.process is not None
+            code = await pod.process.wait()
+            pod.exit_codes.append(code)
+            if self._pods.get(pod.info.name) is not pod or pod.info.deleting:
+                return
+            if code == 0:
+                # The agent left cleanly (e.g. left out of a round): its workload replaces the
+                # finished pod with a fresh one, as long as the node takes new pods.
+                pod.info = replace(pod.info, phase="Succeeded")
+                self._publish("pod", pod.info)
+                await asyncio.sleep(self._restart_backoff.total_seconds())
+                node = self._nodes.get(pod.info.node or "")
+                if self._pods.get(pod.info.name) is pod and node is not None and node.schedulable:
+                    self._pods.pop(pod.info.name)
+                    self._publish("pod-deleted", pod.info.name)
+                    await self._create_pod(node.name)
+                return
+            pod.info = replace(pod.info, restart_count=pod.info.restart_count + 1)
+            log.info("agent exited, restarting", pod=pod.info.name, code=code, restarts=pod.info.restart_count)
+            self._publish("pod", pod.info)
+            await asyncio.sleep(self._restart_backoff.total_seconds())
+            await self._start_agent(pod)
+
+    async def _stop_supervisor(self, pod: _Pod) -> None:
+        if pod.supervisor is not None and pod.supervisor is not asyncio.current_task():
+            pod.supervisor.cancel()
+            await asyncio.gather(pod.supervisor, return_exceptions=True)
+
+    async def _terminate(self, pod: _Pod) -> None:
+        await self._stop_supervisor(pod)
+        process = pod.process
+        if process is None or process.returncode is not None:
+            return
+        # Snapshot the tree first: once the agent exits, its workers are no longer its children.
+        tree = process_tree(process.pid)
+        _signal_known({process.pid: tree.get(process.pid, 0)} if process.pid in tree else {}, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), self._stop_grace.total_seconds())
+        except TimeoutError:
+            pass
+        # Whatever of the snapshot survived (agent or orphaned workers) is killed.
+        tree.update(process_tree(process.pid))
+        _signal_known(tree, signal.SIGKILL)
+        await process.wait()

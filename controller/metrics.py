@@ -1,0 +1,62 @@
+"""The controller's Prometheus metrics (names fixed: dashboards and alerts use them)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_REFORM_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+class ControllerMetrics:
+    """All metrics of one controller, in their own registry (several may share a process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.reform_duration = Histogram(
+            "regroup_reform_duration_seconds", "Signal to trainer resumed, per re-form.",
+            ["namespace", "job", "cause", "planned"], buckets=_REFORM_BUCKETS, registry=r,
+        )
+        self.phase_duration = Histogram(
+            "regroup_reform_phase_duration_seconds", "Duration of one phase of a re-form.",
+            ["cause", "phase"], buckets=_PHASE_BUCKETS, registry=r,
+        )
+        self.reforms = Counter(
+            "regroup_reforms", "Re-forms finished.", ["namespace", "job", "cause", "planned"], registry=r
+        )
+        self.world_size = Gauge("regroup_world_size", "Nodes in the job's current round.", ["namespace", "job"], registry=r)
+        self.min_nodes = Gauge("regroup_job_min_nodes", "The job's min-nodes.", ["namespace", "job"], registry=r)
+        self.max_nodes = Gauge("regroup_job_max_nodes", "The job's max-nodes.", ["namespace", "job"], registry=r)
+        self.stalled = Gauge("regroup_job_stalled", "1 while the job is below its min-nodes.", ["namespace", "job"], registry=r)
+        self.lost_steps = Counter(
+            "regroup_lost_steps", "Training steps redone after re-forms.", ["namespace", "job", "cause"], registry=r
+        )
+        self.cordoned_nodes = Gauge("regroup_cordoned_nodes", "Nodes carrying the restart-storm cordon.", registry=r)
+        self.cordons = Counter("regroup_cordons", "Cordons made by the controller.", ["reason"], registry=r)
+        self.rounds = Counter(
+            "regroup_rendezvous_rounds", "Rendezvous rounds observed.", ["namespace", "job"], registry=r
+        )
+        self.flapping = Gauge(
+            "regroup_rendezvous_flapping", "1 while rounds come faster than the threshold.", ["namespace", "job"], registry=r
+        )
+        self.rendezvous_on_gpu = Gauge(
+            "regroup_rendezvous_pod_on_gpu_node", "1 while the job's rendezvous pod runs on a GPU node.",
+            ["namespace", "job"], registry=r,
+        )
+        self.watch_restarts = Counter(
+            "regroup_watch_restarts", "Watches restarted (errors, 410 Gone, etcd restarts).", ["source"], registry=r
+        )
+        self.bad_config = Gauge(
+            "regroup_bad_config", "1 while the job's annotations are invalid.", ["namespace", "job"], registry=r
+        )
+        self.leader = Gauge("regroup_leader", "1 while this replica leads.", registry=r)
+
+    def forget_job(self, namespace: str, job: str) -> None:
+        """Drop a deleted job's per-job gauges."""
+        for gauge in (self.world_size, self.min_nodes, self.max_nodes, self.stalled, self.flapping,
+                      self.rendezvous_on_gpu, self.bad_config):
+            try:
+                gauge.remove(namespace, job)
+            except KeyError:
+                pass

@@ -1,0 +1,240 @@
+"""Reconcile one job: fresh snapshot -> ``decide`` -> apply the actions.
+
+The etcd writes go through ``EtcdWriter`` (the plan by compare-and-set on its revision:
+the fencing token that stops a stale replica from overwriting a newer plan); cluster
+actions go to the ``ClusterActuator``. A failed write ends the cycle and the job is
+looked at again after a back-off; nothing is retried blindly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import structlog
+
+from controller.cluster import ClusterActuator
+from controller.decide import decide, summarize
+from controller.encode import record_json
+from controller.metrics import ControllerMetrics
+from controller.model import ClusterModel, JobId
+from controller.settings import ControllerSettings
+from controller.snapshot import (
+    Action,
+    Cordon,
+    Decision,
+    DeletePod,
+    PostEvent,
+    WriteCheckpointRequest,
+    WriteExpected,
+    WritePlan,
+    WritePresence,
+    WriteReform,
+    WriteStatus,
+)
+from controller.tracing import emit_reform_trace, phase_times, reform_end
+from regroup.keys import JobKeys
+from regroup.records import Record, ReformPlan
+
+log = structlog.get_logger("regroup.controller")
+
+EVENT_MEMORY = timedelta(minutes=15)
+"""The same Event (object, reason, message) is posted at most once in this long."""
+
+
+class PlanConflict(Exception):
+    """``control/plan`` changed under us: the snapshot was stale."""
+
+
+class EtcdWriter(Protocol):
+    """Where the controller's etcd writes go."""
+
+    async def put(self, key: str, value: bytes, *, leased: bool = False) -> int:
+        """Write ``key``; bound to the controller's lease when ``leased``. Returns the revision."""
+        ...
+
+    async def compare_and_put(self, key: str, value: bytes, expected_revision: int) -> int:
+        """Write ``key`` only if its mod_revision is ``expected_revision`` (0: absent).
+
+        Returns the new revision; raises ``PlanConflict`` otherwise."""
+        ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reconcile did: look again after ``requeue_after`` (None: on the next event)."""
+
+    decision: Decision
+    requeue_after: timedelta | None
+    error: str | None = None
+
+
+class Reconciler:
+    """Applies decisions for jobs of ``model``; shared by all workers."""
+
+    def __init__(
+        self,
+        model: ClusterModel,
+        settings: ControllerSettings,
+        writer: EtcdWriter | None,
+        actuator: ClusterActuator,
+        metrics: ControllerMetrics,
+        tracer_provider: Any = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.writer = writer
+        self.actuator = actuator
+        self.metrics = metrics
+        self.tracer_provider = tracer_provider
+        self.clock = clock
+        self._events: dict[tuple[str, str, str, str, str], float] = {}
+        self._reasons: dict[JobId, str] = {}
+        self._rounds: dict[JobId, int] = {}
+        self._cordon_lock = asyncio.Lock()
+        self._backoff: dict[JobId, float] = {}
+        self._gauges: dict[JobId, tuple[object, ...]] = {}
+
+    async def reconcile(self, job: JobId) -> Outcome:
+        now = self.clock()
+        self.metrics.cordoned_nodes.set(len(self.model.cordoned))
+        snapshot = self.model.snapshot(job)
+        decision = decide(snapshot, now, self.settings)
+        if self._reasons.get(job) != decision.reason:
+            self._reasons[job] = decision.reason
+            log.info("decision", namespace=job[0], job=job[1], reason=decision.reason,
+                     actions=dict(summarize(decision.actions)))
+        self._export_gauges(job, decision)
+        try:
+            for action in decision.actions:
+                await self._apply(job, action, now)
+        except PlanConflict:
+            # Another writer moved the plan: our view is stale until the watch catches up.
+            delay = self._next_backoff(job, first=0.05)
+            return Outcome(decision, timedelta(seconds=delay), "plan changed under this decision")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failed write: log, back off, look again
+            delay = self._next_backoff(job, first=self.settings.runtime.etcd_retry.total_seconds())
+            log.warning("action failed", namespace=job[0], job=job[1], error=f"{type(exc).__name__}: {exc}",
+                        retry_in=delay)
+            return Outcome(decision, timedelta(seconds=delay), str(exc))
+        self._backoff.pop(job, None)
+        return Outcome(decision, decision.requeue_after)
+
+    def _next_backoff(self, job: JobId, first: float) -> float:
+        previous = self._backoff.get(job)
+        delay = first if previous is None else min(previous * 2, self.settings.runtime.etcd_retry_max.total_seconds())
+        self._backoff[job] = delay
+        return delay
+
+    # --- actions ---------------------------------------------------------------------
+
+    async def _apply(self, job: JobId, action: Action, now: float) -> None:
+        keys = JobKeys(job[0], job[1], self.settings.etcd_prefix)
+        if isinstance(action, WritePlan):
+            await self._write_plan(job, keys, action, now)
+        elif isinstance(action, WriteCheckpointRequest):
+            await self._put(keys.checkpoint, action.request)
+        elif isinstance(action, WriteExpected):
+            await self._put(keys.expected, action.expected)
+        elif isinstance(action, WriteReform):
+            await self._put(keys.reform, action.request)
+        elif isinstance(action, WritePresence):
+            await self._put(keys.controller, action.presence, leased=True)
+        elif isinstance(action, WriteStatus):
+            await self._put(keys.status, action.status)
+        elif isinstance(action, Cordon):
+            await self._cordon(action, now)
+        elif isinstance(action, DeletePod):
+            log.info("deleting pod", namespace=action.namespace, pod=action.name, reason=action.reason)
+            await self.actuator.delete_pod(action.namespace, action.name, action.reason)
+        elif isinstance(action, PostEvent):
+            await self._post_event(action, now)
+
+    async def _put(self, key: str, record: Record, leased: bool = False) -> None:
+        if self.writer is None:
+            self.model.etcd_put(key, record, 0, wake=False)
+            return
+        revision = await self.writer.put(key, record_json(record), leased=leased)
+        self.model.etcd_put(key, record, revision, wake=False)
+
+    async def _write_plan(self, job: JobId, keys: JobKeys, action: WritePlan, now: float) -> None:
+        if self.writer is None:
+            revision = self.model.jobs[job].plan_revision + 1 if job in self.model.jobs else 1
+        else:
+            revision = await self.writer.compare_and_put(keys.plan, record_json(action.plan), action.expected_revision)
+        self.model.etcd_put(keys.plan, action.plan, revision, wake=False)
+        plan = action.plan
+        log.info("re-form " + plan.phase, namespace=job[0], job=job[1], generation=plan.generation,
+                 cause=plan.cause, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
+        if action.finished:
+            self._finished(job, plan)
+
+    def _finished(self, job: JobId, plan: ReformPlan) -> None:
+        planned = str(plan.planned).lower()
+        if plan.outcome == "completed":
+            self.metrics.reform_duration.labels(job[0], job[1], plan.cause, planned).observe(
+                max(0.0, reform_end(plan) - plan.detected_at)
+            )
+            if plan.lost_steps > 0:
+                self.metrics.lost_steps.labels(job[0], job[1], plan.cause).inc(plan.lost_steps)
+        self.metrics.reforms.labels(job[0], job[1], plan.cause, planned).inc()
+        for phase, (start, end) in phase_times(plan).items():
+            self.metrics.phase_duration.labels(plan.cause, phase).observe(max(0.0, end - start))
+        emit_reform_trace(self.tracer_provider, job[0], job[1], plan)
+
+    async def _cordon(self, action: Cordon, now: float) -> None:
+        # Jobs decide concurrently: the budget is re-checked here, under one lock.
+        async with self._cordon_lock:
+            budget = self.settings.cordon.budget(len(self.model.node_pods))
+            if action.node in self.model.cordoned:
+                return
+            if len(self.model.cordoned) >= budget:
+                log.warning("cordon budget exhausted", node=action.node, budget=budget)
+                return
+            log.warning("cordoning node", node=action.node, reason=action.reason)
+            await self.actuator.cordon(action.node, action.reason, self.settings.cordon.taint_key, now)
+            self.model.cordoned.add(action.node)
+            self.metrics.cordons.labels("restart-storm").inc()
+
+    async def _post_event(self, action: PostEvent, now: float) -> None:
+        ref = action.ref
+        key = (ref.kind, ref.namespace, ref.name, action.reason, action.message)
+        last = self._events.get(key)
+        if last is not None and now - last < EVENT_MEMORY.total_seconds():
+            return
+        if len(self._events) > 10_000:
+            horizon = now - EVENT_MEMORY.total_seconds()
+            self._events = {k: t for k, t in self._events.items() if t >= horizon}
+        await self.actuator.post_event(ref, action.type_, action.reason, action.message)
+        self._events[key] = now
+
+    # --- metrics ---------------------------------------------------------------------
+
+    def _export_gauges(self, job: JobId, decision: Decision) -> None:
+        a = decision.alerts
+        values = (decision.world_size, decision.min_nodes, decision.max_nodes, a.stalled, a.bad_config, a.flapping,
+                  a.rendezvous_on_gpu)
+        if self._gauges.get(job) != values:
+            # Label lookups cost more than the decision itself; set only what changed.
+            self._gauges[job] = values
+            m, labels = self.metrics, job
+            m.world_size.labels(*labels).set(decision.world_size)
+            m.min_nodes.labels(*labels).set(decision.min_nodes)
+            m.max_nodes.labels(*labels).set(decision.max_nodes)
+            m.stalled.labels(*labels).set(int(a.stalled))
+            m.bad_config.labels(*labels).set(int(a.bad_config))
+            m.flapping.labels(*labels).set(int(a.flapping))
+            m.rendezvous_on_gpu.labels(*labels).set(int(a.rendezvous_on_gpu))
+        state = self.model.jobs.get(job)
+        rounds = state.rounds if state is not None else 0
+        seen = self._rounds.get(job, 0)
+        if rounds > seen:
+            self.metrics.rounds.labels(*job).inc(rounds - seen)
+        self._rounds[job] = rounds

@@ -1,0 +1,206 @@
+"""``run_controller``: the controller's one asyncio loop.
+
+Owned tasks: the cluster source (feeding the model), the etcd mirror, the reconcile
+workers, the periodic resync and the presence lease. All are cancelled together when
+the caller cancels ``run_controller``; the lease is revoked on the way out, so agents
+see the controller gone at once and handle joins themselves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+
+from controller.cluster import ClusterActuator, ClusterSource
+from controller.etcd_mirror import ETCD_ERRORS, OwnWrites, mirror_etcd
+from controller.metrics import ControllerMetrics
+from controller.model import ClusterModel, JobId
+from controller.reconciler import Outcome, PlanConflict, Reconciler
+from controller.settings import ControllerSettings
+from controller.snapshot import Decision
+from controller.workqueue import WorkQueue
+from regroup import etcd as etcd_layer
+from regroup.etcd import EtcdSettings, LeaseKeeper
+
+log = structlog.get_logger("regroup.controller")
+
+DecisionObserver = Callable[[JobId, Decision, float], None]
+"""Called after each reconcile with the job, the decision and the seconds since the
+job was first queued for it (signal-to-decision latency)."""
+
+
+class EtcdLeaseWriter:
+    """The controller's etcd writes: presence keys bound to its lease, the plan by CAS."""
+
+    def __init__(self, client: Any, own: OwnWrites) -> None:
+        self.client = client
+        self.own = own
+        self.lease: Any = None
+
+    async def put(self, key: str, value: bytes, *, leased: bool = False) -> int:
+        response = await self.client.put(key.encode(), value, lease=self.lease if leased else None)
+        revision = int(response.header.revision)
+        self.own.add(revision)
+        return revision
+
+    async def compare_and_put(self, key: str, value: bytes, expected_revision: int) -> int:
+        txn = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[txn.mod(key.encode()) == expected_revision],
+            success=[txn.put(key.encode(), value)],
+            failure=[],
+        )
+        if not ok:
+            raise PlanConflict(key)
+        revision = int(responses[0].response_put.header.revision)
+        self.own.add(revision)
+        return revision
+
+
+class ReconcileLoop:
+    """The work queue and its workers around one ``Reconciler``."""
+
+    def __init__(self, reconciler: Reconciler, queue: WorkQueue[JobId], observer: DecisionObserver | None = None) -> None:
+        self.reconciler = reconciler
+        self.queue = queue
+        self.observer = observer
+
+    async def worker(self) -> None:
+        while True:
+            job, added = await self.queue.get()
+            try:
+                outcome = await self.reconciler.reconcile(job)
+            except asyncio.CancelledError:
+                self.queue.done(job)
+                raise
+            except Exception as exc:
+                log.exception("reconcile failed", namespace=job[0], job=job[1], error=str(exc))
+                outcome = None
+            self.queue.done(job)
+            if self.observer is not None and outcome is not None:
+                self.observer(job, outcome.decision, self.queue.clock() - added)
+            self._requeue(job, outcome)
+
+    def _requeue(self, job: JobId, outcome: Outcome | None) -> None:
+        delay = outcome.requeue_after if outcome is not None else timedelta(seconds=1)
+        if delay is None:
+            return
+        if delay <= timedelta(0):
+            self.queue.add(job)
+        else:
+            self.queue.add_after(job, delay.total_seconds())
+
+    async def resync(self, period: timedelta) -> None:
+        """Queue every job every ``period``, events or not (level-triggered safety net)."""
+        while True:
+            await asyncio.sleep(period.total_seconds())
+            for job in list(self.reconciler.model.jobs):
+                self.queue.add(job)
+
+
+async def _connect(etcd: EtcdSettings, settings: ControllerSettings) -> Any:
+    delay = settings.runtime.etcd_retry.total_seconds()
+    while True:
+        try:
+            return await etcd_layer.connect(etcd)
+        except etcd_layer.EtcdUnavailable as exc:
+            log.warning("etcd unavailable; retrying", error=str(exc), retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, settings.runtime.etcd_retry_max.total_seconds())
+
+
+async def _keep_presence_lease(
+    client: Any, writer: EtcdLeaseWriter, model: ClusterModel, queue: WorkQueue[JobId], settings: ControllerSettings,
+    granted: asyncio.Event,
+) -> None:
+    """Hold the lease the presence keys are bound to; when it is lost, take a new one and
+    let every job write its presence again."""
+    while True:
+        lost = asyncio.Event()
+        keeper = LeaseKeeper(client, settings.runtime.lease_ttl, on_lost=lost.set)
+        try:
+            try:
+                writer.lease = await keeper.start()
+            except ETCD_ERRORS as exc:
+                log.warning("cannot grant the controller lease; retrying", error=str(exc))
+                await asyncio.sleep(settings.runtime.etcd_retry.total_seconds())
+                continue
+            granted.set()
+            for state in model.jobs.values():
+                state.presence = None
+            for job in list(model.jobs):
+                queue.add(job)
+            await lost.wait()
+            log.warning("controller lease lost; taking a new one")
+        finally:
+            await keeper.stop(revoke=True)
+
+
+async def run_controller(
+    settings: ControllerSettings,
+    source: ClusterSource,
+    actuator: ClusterActuator,
+    etcd: EtcdSettings,
+    *,
+    ready: asyncio.Event | None = None,
+    tracer_provider: Any = None,
+    metrics: ControllerMetrics | None = None,
+    observer: DecisionObserver | None = None,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Run the controller until cancelled. ``ready`` is set once Kubernetes (or the local
+    cluster) and etcd have each been listed in full and the presence lease is held."""
+    metrics = metrics or ControllerMetrics()
+    provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
+    client = await _connect(etcd, settings)
+    queue: WorkQueue[JobId] = WorkQueue(clock)
+    synced = asyncio.Event()
+    model = ClusterModel(
+        clock,
+        queue.add,
+        prefix=settings.etcd_prefix,
+        cordon_taint=settings.cordon.taint_key,
+        identity=settings.runtime.identity,
+        on_synced=synced.set,
+        job_defaults=settings.jobs,
+    )
+    own = OwnWrites()
+    writer = EtcdLeaseWriter(client, own)
+    reconciler = Reconciler(model, settings, writer, actuator, metrics, provider, clock)
+    loop = ReconcileLoop(reconciler, queue, observer)
+    granted = asyncio.Event()
+    http = None
+    try:
+        if settings.runtime.http_port is not None:
+            from controller.http import HealthServer
+
+            http = HealthServer(metrics, settings.runtime.http_host, settings.runtime.http_port,
+                                healthy=lambda: True, ready=synced.is_set)
+            await http.start()
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(_keep_presence_lease(client, writer, model, queue, settings, granted), name="presence-lease")
+            await granted.wait()
+            tasks.create_task(source.run(model), name="cluster-source")
+            tasks.create_task(
+                mirror_etcd(client, settings.etcd_prefix, model, metrics, own, settings.runtime.etcd_retry,
+                            settings.runtime.etcd_retry_max, lambda: None),
+                name="etcd-mirror",
+            )
+            for i in range(settings.runtime.workers):
+                tasks.create_task(loop.worker(), name=f"reconcile-{i}")
+            tasks.create_task(loop.resync(settings.runtime.resync), name="resync")
+            await synced.wait()
+            log.info("controller ready", jobs=len(model.jobs), nodes=len(model.nodes), identity=settings.runtime.identity)
+            if ready is not None:
+                ready.set()
+    finally:
+        queue.close()
+        if http is not None:
+            await http.stop()
+        await client.close()

@@ -1,0 +1,157 @@
+"""The built-in reclaim signals (DESIGN contract 1): the one table in code.
+
+A node carrying any of these is leaving. Each entry names the project it comes from and
+the notice that project gives before the node goes, which bounds the checkpoint wait of
+a planned shrink. ``lost`` entries mean the node is already gone for training purposes:
+the re-form is unplanned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from controller.cluster import NodeInfo, Taint
+
+
+@dataclass(frozen=True)
+class ReclaimSignal:
+    """One taint key that means "this node is going away"."""
+
+    key: str
+    source: str
+    """Project that puts the taint on the node."""
+    path: Literal["planned", "lost"] = "planned"
+    """planned: checkpoint first; lost: re-form at once."""
+    notice: timedelta | None = None
+    """Time between the taint and the node's end, when the source promises one."""
+    value: str | None = None
+    """Only this taint value counts (None: any value)."""
+    value_is_unix_time: bool = False
+    """The taint's value is the unix time it was added (cluster-autoscaler)."""
+
+
+AWS_NOTICE = timedelta(minutes=2)
+GKE_NOTICE = timedelta(seconds=30)
+AKS_NOTICE = timedelta(seconds=30)
+
+RECLAIM_SIGNALS: tuple[ReclaimSignal, ...] = (
+    # Kubernetes (kubelet / node lifecycle controller; `kubectl cordon`).
+    ReclaimSignal("node.kubernetes.io/unschedulable", "Kubernetes"),
+    ReclaimSignal("node.kubernetes.io/not-ready", "Kubernetes", path="lost"),
+    ReclaimSignal("node.kubernetes.io/unreachable", "Kubernetes", path="lost"),
+    # aws/aws-node-termination-handler: spot interruption notices come 2 minutes ahead.
+    ReclaimSignal("aws-node-termination-handler/spot-itn", "AWS node-termination-handler", notice=AWS_NOTICE),
+    ReclaimSignal("aws-node-termination-handler/rebalance-recommendation", "AWS node-termination-handler", notice=AWS_NOTICE),
+    ReclaimSignal("aws-node-termination-handler/scheduled-maintenance", "AWS node-termination-handler", notice=AWS_NOTICE),
+    ReclaimSignal("aws-node-termination-handler/asg-lifecycle-termination", "AWS node-termination-handler", notice=AWS_NOTICE),
+    # kubernetes-sigs/karpenter: v1 taint, and the v1beta1 key/value spelling.
+    ReclaimSignal("karpenter.sh/disrupted", "Karpenter"),
+    ReclaimSignal("karpenter.sh/disruption", "Karpenter", value="disrupting"),
+    # kubernetes/autoscaler cluster-autoscaler: the value is the unix time of the decision.
+    ReclaimSignal("ToBeDeletedByClusterAutoscaler", "cluster-autoscaler", value_is_unix_time=True),
+    # GoogleCloudPlatform/k8s-node-termination-handler: 30 s before a preemption.
+    ReclaimSignal("cloud.google.com/impending-node-termination", "GKE node termination handler", notice=GKE_NOTICE),
+    # AKS node auto-repair / spot eviction remediator.
+    ReclaimSignal("remediator.kubernetes.azure.com/unschedulable", "AKS", notice=AKS_NOTICE),
+)
+"""Besides these taints: node ``spec.unschedulable`` (a cordon), node ``Ready`` not
+True, node deleted, and a member's pod deleted, evicted or failed (see ``node_verdict``
+and ``decide``)."""
+
+_BY_KEY: Mapping[str, ReclaimSignal] = {s.key: s for s in RECLAIM_SIGNALS}
+
+
+@dataclass(frozen=True)
+class ReclaimNotice:
+    """A node's announced departure."""
+
+    node: str
+    signal: str
+    """Taint key (or ``spec.unschedulable``) that announced it."""
+    source: str
+    since: float
+    """Unix time the notice began (taint timeAdded, the autoscaler's value, or first seen)."""
+    ends_at: float | None
+    """Unix time the node is due to vanish, when the source promises a notice."""
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """What a node's state means for the jobs on it."""
+
+    lost: str | None = None
+    """Why the node is gone for training (unplanned re-form), if it is."""
+    lost_since: float | None = None
+    notice: ReclaimNotice | None = None
+    """Its reclaim notice (planned re-form), if it has one and is not lost."""
+
+
+def _match(taint: Taint, extra_keys: Collection[str]) -> ReclaimSignal | None:
+    signal = _BY_KEY.get(taint.key)
+    if signal is not None and (signal.value is None or signal.value == taint.value):
+        return signal
+    if taint.key in extra_keys:
+        return ReclaimSignal(taint.key, "regroup.dev/reclaim-taints")
+    return None
+
+
+def _taint_since(taint: Taint, signal: ReclaimSignal, first_seen: float) -> float:
+    if signal.value_is_unix_time:
+        try:
+            return float(taint.value)
+        except ValueError:
+            pass
+    return taint.time_added if taint.time_added is not None else first_seen
+
+
+def node_verdict(
+    node: NodeInfo | None,
+    name: str,
+    extra_keys: Collection[str],
+    first_seen: Mapping[str, float],
+    now: float,
+    ignore_taints: Collection[str] = (),
+) -> NodeVerdict:
+    """Classify a node for the jobs on it. ``node`` None means deleted.
+
+    ``first_seen`` maps ``signal_key(name, what)`` to the time the model first saw it;
+    ``ignore_taints`` are keys this controller put there itself (its own cordon is a
+    reclaim for other jobs, but it is also flagged through ``spec.unschedulable``).
+    """
+    if node is None:
+        return NodeVerdict(lost="node deleted", lost_since=first_seen.get(signal_key(name, "gone"), now))
+    if node.ready is not True:
+        state = "Unknown" if node.ready is None else "False"
+        return NodeVerdict(lost=f"node Ready={state}", lost_since=first_seen.get(signal_key(name, "notready"), now))
+    best: ReclaimNotice | None = None
+    for taint in node.taints:
+        if taint.key in ignore_taints:
+            continue
+        signal = _match(taint, extra_keys)
+        if signal is None:
+            continue
+        since = _taint_since(taint, signal, first_seen.get(signal_key(name, "taint:" + taint.key), now))
+        if signal.path == "lost":
+            return NodeVerdict(lost=f"taint {taint.key}", lost_since=since)
+        ends = since + signal.notice.total_seconds() if signal.notice is not None else None
+        notice = ReclaimNotice(name, taint.key, signal.source, since, ends)
+        if best is None or _earlier_end(notice, best):
+            best = notice
+    if best is None and node.unschedulable:
+        since = first_seen.get(signal_key(name, "unschedulable"), now)
+        best = ReclaimNotice(name, "spec.unschedulable", "Kubernetes", since, None)
+    return NodeVerdict(notice=best)
+
+
+def _earlier_end(a: ReclaimNotice, b: ReclaimNotice) -> bool:
+    if a.ends_at is None:
+        return False
+    return b.ends_at is None or a.ends_at < b.ends_at
+
+
+def signal_key(node: str, what: str) -> str:
+    """Key under which the model records when it first saw ``what`` on ``node``."""
+    return f"{node}\x00{what}"

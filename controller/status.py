@@ -1,0 +1,114 @@
+"""``regroup status --job J``: a job's state as etcd holds it (no Kubernetes access needed)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+from controller.tracing import phase_times, reform_end
+from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
+from regroup.keys import JobKeys
+from regroup.records import JobStatus, MemberRecord, Progress, RecordError, ReformPlan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--job", required=True, help="the job's regroup.dev/job label value")
+    parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="the job's namespace")
+    parser.add_argument("--etcd", default=os.environ.get("REGROUP_ETCD", "127.0.0.1:2379"), help="etcd host:port[,host:port]")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
+    """Everything ``regroup status`` shows, as a JSON-able dict."""
+    client = await connect(etcd)
+    try:
+        listing = await client.get_prefix(keys.root.encode())
+    finally:
+        await client.close()
+    members: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"namespace": keys.namespace, "job": keys.job, "members": members}
+    for kv in listing.kvs:
+        rest = kv.key.decode()[len(keys.root):]
+        try:
+            if rest.startswith("members/"):
+                m = MemberRecord.from_json(kv.value)
+                members.append({"node": m.node, "pod": m.pod, "round": m.round, "local_world_size": m.local_world_size,
+                                "restart_count": m.restart_count})
+            elif rest == "progress":
+                p = Progress.from_json(kv.value)
+                report["progress"] = {"step": p.step, "world_size": p.world_size, "loss": p.loss, "time": p.time,
+                                      "resumed_from_step": p.resumed_from_step}
+            elif rest == "control/status":
+                report["status"] = asdict(JobStatus.from_json(kv.value))
+            elif rest == "control/plan":
+                plan = ReformPlan.from_json(kv.value)
+                report["last_reform"] = {
+                    "generation": plan.generation, "cause": plan.cause, "planned": plan.planned, "phase": plan.phase,
+                    "outcome": plan.outcome, "reason": plan.reason, "fallback": plan.fallback,
+                    "world_size_before": len(plan.nodes_before), "world_size_after": len(plan.nodes_after),
+                    "lost_steps": plan.lost_steps, "trace_id": plan.trace_id,
+                    "duration_s": round(reform_end(plan) - plan.detected_at, 3) if plan.phase == "done" else None,
+                    "phases_s": {k: round(max(0.0, e - s), 3) for k, (s, e) in phase_times(plan).items()}
+                    if plan.phase == "done" else {},
+                }
+        except RecordError as exc:
+            report.setdefault("unreadable", []).append(f"{rest}: {exc}")
+    members.sort(key=lambda m: m["node"])
+    status = report.get("status") or {}
+    report["state"] = status.get("state", "unknown (no controller verdict)")
+    report["world_size"] = status.get("world_size", len(members))
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"job {report['namespace']}/{report['job']}: {report['state']}"]
+    status = report.get("status")
+    if status:
+        lines.append(f"  world: {status['world_size']} nodes (min {status['min_nodes']}, max {status['max_nodes']})"
+                     f" - {status['reason']}")
+        if status.get("alerts"):
+            lines.append(f"  alerts: {', '.join(status['alerts'])}")
+    lines.append(f"  members ({len(report['members'])}):")
+    for m in report["members"]:
+        lines.append(f"    {m['node']:<24} pod {m['pod'] or '-':<32} round {m['round']:<4} ranks {m['local_world_size']}"
+                     f"  restarts {m['restart_count']}")
+    progress = report.get("progress")
+    if progress:
+        age = timedelta(seconds=int(max(0.0, time.time() - progress["time"])))
+        lines.append(f"  last step: {progress['step']} at world size {progress['world_size']} ({age} ago),"
+                     f" resumed from step {progress['resumed_from_step']}")
+    last = report.get("last_reform")
+    if last:
+        head = (f"  last re-form: #{last['generation']} {last['cause']} "
+                f"({'planned' if last['planned'] else 'unplanned'}) {last['world_size_before']} -> "
+                f"{last['world_size_after']} nodes, {last['phase']}")
+        if last["phase"] == "done":
+            head += f", {last['outcome']} in {last['duration_s']}s, lost steps {last['lost_steps']}"
+        lines.append(head)
+        for phase, seconds in last["phases_s"].items():
+            lines.append(f"    {phase:<11} {seconds:8.3f}s")
+        if last["fallback"]:
+            lines.append(f"    fell back to unplanned: {last['fallback']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        keys = JobKeys(args.namespace, args.job)
+        etcd = EtcdSettings.from_endpoint_string(args.etcd)
+    except ValueError as exc:
+        print(f"regroup status: {exc}")
+        return 2
+    try:
+        report = asyncio.run(job_status(keys, etcd))
+    except EtcdUnavailable as exc:
+        print(f"regroup status: {exc}")
+        return 1
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else render(report))
+    return 0

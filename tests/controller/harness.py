@@ -1,0 +1,177 @@
+"""A running controller against real etcd and the Kubernetes API stand-in.
+
+The tests play the agents and trainers by writing their records into etcd directly
+(the real agents are tested in tests/rendezvous), and play the kubelet and the cloud
+through the stand-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from controller.kube.actuator import KubeActuator
+from controller.kube.api import RawKube
+from controller.kube.source import KubeSource
+from controller.metrics import ControllerMetrics
+from controller.runtime import run_controller
+from controller.settings import ControllerSettings, KubeSettings, RuntimeSettings
+from regroup.etcd import EtcdSettings, EventKind
+from regroup.keys import JobKeys
+from regroup.records import CheckpointAck, MemberRecord, Progress, Record
+from tests.kubeapi import objects
+from tests.kubeapi.server import FakeKubeAPI
+
+R = TypeVar("R", bound=Record)
+
+NS = "ml"
+WAIT = 15.0
+
+
+def fast_settings(identity: str = "ctl-a") -> ControllerSettings:
+    return ControllerSettings(
+        runtime=RuntimeSettings(identity=identity, lease_ttl=timedelta(seconds=3), etcd_retry=timedelta(milliseconds=100)),
+        kube=KubeSettings(
+            backoff=timedelta(milliseconds=50),
+            backoff_max=timedelta(milliseconds=500),
+            lease_duration=timedelta(seconds=3),
+            renew_deadline=timedelta(seconds=2),
+            retry_period=timedelta(milliseconds=200),
+        ),
+    )
+
+
+def notes(min_nodes: int = 2, max_nodes: int = 4, **extra: str) -> dict[str, str]:
+    out = {"regroup.dev/min-nodes": str(min_nodes), "regroup.dev/max-nodes": str(max_nodes)}
+    out.update({f"regroup.dev/{k.replace('_', '-')}": v for k, v in extra.items()})
+    return out
+
+
+class Cluster:
+    """The test's hands: Kubernetes objects through the stand-in, agent/trainer records in etcd."""
+
+    def __init__(self, api: FakeKubeAPI, client: Any) -> None:
+        self.api = api
+        self.etcd = client
+
+    def add_node(self, name: str, **kw: Any) -> None:
+        self.api.create(objects.node(name, **kw))
+
+    def add_pod(self, job: str, node: str, annotations: dict[str, str], **kw: Any) -> str:
+        name = f"{job}-{node}"
+        self.api.create(objects.pod(NS, name, job=job, node=node, annotations=annotations, **kw))
+        return name
+
+    async def member(self, job: str, node: str, round_: int, restarts: int = 0, lease: Any = None) -> None:
+        record = MemberRecord(node=node, pod=f"{job}-{node}", namespace=NS, round=round_, local_world_size=2,
+                              restart_count=restarts, joined_at=time.time())
+        await self.etcd.put(JobKeys(NS, job).member(node).encode(), record.to_json(), lease=lease)
+
+    async def drop_member(self, job: str, node: str) -> None:
+        await self.etcd.delete(JobKeys(NS, job).member(node).encode())
+
+    async def ack(self, job: str, generation: int, step: int, world_size: int) -> None:
+        ack = CheckpointAck(generation=generation, step=step, checkpoint_id=f"step-{step}", duration_s=0.1,
+                            world_size=world_size, acked_at=time.time())
+        await self.etcd.put(JobKeys(NS, job).ack(generation).encode(), ack.to_json())
+
+    async def progress(self, job: str, step: int, world_size: int, resumed_from: int = 0) -> None:
+        record = Progress(step=step, loss=1.0, samples_seen=step * 8, world_size=world_size, time=time.time(),
+                          resumed_from_step=resumed_from)
+        await self.etcd.put(JobKeys(NS, job).progress.encode(), record.to_json())
+
+    async def job(self, job: str, nodes: list[str], annotations: dict[str, str], round_: int = 1, step: int = 10) -> None:
+        """A running job: nodes, one pod and one member each, trainer progress."""
+        for node in nodes:
+            if self.api.get("Node", node) is None:
+                self.add_node(node)
+            self.add_pod(job, node, annotations)
+            await self.member(job, node, round_)
+        await self.progress(job, step, 2 * len(nodes))
+
+    async def read(self, key: str, cls: type[R]) -> R | None:
+        got = await self.etcd.get(key.encode())
+        return cls.from_json(got.value) if got is not None else None
+
+    async def wait_record(self, key: str, cls: type[R], predicate: Callable[[R], bool] = lambda r: True,
+                          timeout: float = WAIT) -> R:
+        """Await the first value of ``key`` that satisfies ``predicate`` (watching, not polling)."""
+        listing = await self.etcd.get_prefix(key.encode())
+        for kv in listing.kvs:
+            if kv.key.decode() == key and predicate(record := cls.from_json(kv.value)):
+                return record
+        start = listing.header.revision + 1
+        watch = await self.etcd.watch(key.encode(), start_revision=start)
+        try:
+            async with asyncio.timeout(timeout):
+                async for event in watch:
+                    if event.kind == EventKind.PUT and predicate(record := cls.from_json(event.kv.value)):
+                        return record
+        finally:
+            await watch.cancel()
+        raise AssertionError(f"{key} watch ended")
+
+
+@contextlib.asynccontextmanager
+async def controller(
+    api: FakeKubeAPI,
+    kubeconfig: Any,
+    etcd: EtcdSettings,
+    settings: ControllerSettings | None = None,
+) -> AsyncIterator[tuple[ControllerMetrics, InMemorySpanExporter]]:
+    """``run_controller`` with the real Kubernetes adapter, until the block ends."""
+    from controller.kube.api import load_api_client
+
+    settings = settings or fast_settings()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    metrics = ControllerMetrics()
+    api_client = await load_api_client(kubeconfig)
+    raw = RawKube(api_client)
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        run_controller(settings, KubeSource(raw, settings.kube, metrics), KubeActuator(raw, settings.kube), etcd,
+                       ready=ready, tracer_provider=provider, metrics=metrics)
+    )
+    waiter = asyncio.create_task(ready.wait())
+    try:
+        async with asyncio.timeout(WAIT):
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+        yield metrics, exporter
+    finally:
+        waiter.cancel()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+        await api_client.close()
+
+
+def sample(metrics: ControllerMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def replace_settings(settings: ControllerSettings, **runtime: Any) -> ControllerSettings:
+    return dataclasses.replace(settings, runtime=dataclasses.replace(settings.runtime, **runtime))
+
+
+async def until(predicate: Callable[[], Any], timeout: float = WAIT) -> Any:
+    """Await a condition of in-process state (metrics, exported spans) that another task sets."""
+    async with asyncio.timeout(timeout):
+        while not (value := predicate()):
+            await asyncio.sleep(0.01)
+    return value
