@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.loop import RunInfo, TrainingRun
 
     stop = StopSignal()
-    stop.install()
+    # Under torchrun, a worker outliving its agent is an orphan nobody will stop.
+    stop.install(orphan_check=timedelta(seconds=1) if "TORCHELASTIC_RUN_ID" in env else None)
     provider = configure_tracing("regroup-trainer") if rank == 0 else None
     channel: JobChannel | None = None
     code = 1

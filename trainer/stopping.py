@@ -67,8 +67,14 @@ class StopSignal:
         """What to do just before a forced exit (best effort, must be quick)."""
         self._on_force = callback
 
-    def install(self) -> None:
-        """Install handlers and the watchdog; call from the main thread before training."""
+    def install(self, orphan_check: timedelta | None = None) -> None:
+        """Install handlers and the watchdog; call from the main thread before training.
+
+        With ``orphan_check``, a thread also requests a stop (as SIGTERM would) once the
+        parent process is gone: a torchrun worker whose agent died has nobody left to stop
+        or re-form it, and torchrun starts workers in their own session, so nothing else
+        would end it.
+        """
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._read_fd = read_fd
@@ -76,6 +82,19 @@ class StopSignal:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
         threading.Thread(target=self._watch, name="stop-watchdog", daemon=True).start()
+        if orphan_check is not None:
+            parent = os.getppid()
+            threading.Thread(
+                target=self._watch_parent, args=(parent, orphan_check), name="orphan-watch", daemon=True
+            ).start()
+
+    def _watch_parent(self, parent: int, period: timedelta) -> None:
+        while not self._event.wait(period.total_seconds()):
+            if os.getppid() != parent:
+                _quiet_log("warning", "agent process gone; stopping", agent_pid=parent)
+                # Through the wakeup path, so the watchdog's grace and forced exit apply too.
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.request(signum)

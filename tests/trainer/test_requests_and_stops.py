@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -268,3 +269,69 @@ async def test_sigterm_ends_a_rank_blocked_in_a_collective_and_reports_its_last_
     assert len(forced) == 2, "both ranks were ended by their watchdogs"
     final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
     assert (final.step, final.extra["state"]) == (3, "stopped")
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may contain spaces; the parent pid follows the closing paren.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+async def _exited(pid: int) -> None:
+    """Await the exit of a process that is not our child (pidfd becomes readable)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_reader(fd, gone.set)
+    try:
+        await gone.wait()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def test_workers_stop_by_themselves_when_their_agent_is_killed(
+    tmp_path: Path, etcd: Any, etcd_client: Any, worker_env: dict[str, str]
+) -> None:
+    keys = JobKeys("default", "orphan-job")
+    config = write_config(
+        tmp_path / "c.yaml",
+        etcd={"endpoint": etcd.endpoint, "job": keys.job, "progress_interval": "50ms"},
+        max_steps=100_000,
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *torchrun_argv(2, config), env=worker_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    workers: list[int] = []
+    try:
+        await wait_record(etcd_client, keys.progress, Progress, lambda p: p.step >= 2, timeout=90)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, f"expected 2 workers under the agent, found {workers}"
+        # torchrun's workers run in their own session: killing the agent leaves them running.
+        proc.kill()
+        await proc.wait()
+        await asyncio.wait_for(asyncio.gather(*(_exited(pid) for pid in workers)), 20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
+    assert final.extra["state"] == "stopped", "the orphaned workers stopped cleanly and said so"
