@@ -19,7 +19,6 @@ import structlog
 
 from controller.cluster import ClusterActuator
 from controller.decide import decide, summarize
-from controller.encode import record_json
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
 from controller.settings import ControllerSettings
@@ -161,14 +160,14 @@ class Reconciler:
         if self.writer is None:
             self.model.etcd_put(key, record, 0, wake=False)
             return
-        revision = await self.writer.put(key, record_json(record), leased=leased)
+        revision = await self.writer.put(key, record.to_json(), leased=leased)
         self.model.etcd_put(key, record, revision, wake=False)
 
     async def _write_plan(self, job: JobId, keys: JobKeys, action: WritePlan, now: float) -> None:
         if self.writer is None:
             revision = self.model.jobs[job].plan_revision + 1 if job in self.model.jobs else 1
         else:
-            revision = await self.writer.compare_and_put(keys.plan, record_json(action.plan), action.expected_revision)
+            revision = await self.writer.compare_and_put(keys.plan, action.plan.to_json(), action.expected_revision)
         self.model.etcd_put(keys.plan, action.plan, revision, wake=False)
         plan = action.plan
         log.info("re-form " + plan.phase, namespace=job[0], job=job[1], generation=plan.generation,

@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.exceptions
 import aetcd.rpc
+import aetcd.utils
 import grpc
 import structlog
+from aetcd.rpc import auth_pb2
 
 log = structlog.get_logger("regroup.etcd")
 
@@ -180,6 +182,12 @@ async def connect(settings: EtcdSettings) -> aetcd.Client:
         except aetcd.exceptions.UnauthenticatedError:
             await client.close()
             raise
+        except aetcd.exceptions.InvalidArgumentError as exc:
+            await client.close()
+            # etcd answers a wrong user or password with INVALID_ARGUMENT, not UNAUTHENTICATED.
+            if "authentication failed" in str(exc):
+                raise aetcd.exceptions.UnauthenticatedError(f"{endpoint}: {exc}") from exc
+            errors.append(f"{endpoint}: {type(exc).__name__}: {exc}".strip())
         except (aetcd.exceptions.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError) as exc:
             errors.append(f"{endpoint}: {type(exc).__name__}: {exc}".strip())
             await client.close()
@@ -298,3 +306,28 @@ class LoopThread:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout.total_seconds())
+
+
+async def enable_auth(client: aetcd.Client, root_password: str, users: dict[str, str] | None = None, prefix: str = "/regroup/") -> None:
+    """Turn on etcd authentication (v3 API, no etcdctl needed).
+
+    Creates ``root`` (role ``root``) with ``root_password`` and, for each ``users`` entry
+    (name -> password), a user whose role may read and write every key under ``prefix``.
+    ``client`` must be connected without credentials, before auth is on.
+    """
+    stub = aetcd.rpc.AuthStub(client.channel)
+    await stub.RoleAdd(aetcd.rpc.AuthRoleAddRequest(name="root"))
+    await stub.UserAdd(aetcd.rpc.AuthUserAddRequest(name="root", password=root_password))
+    await stub.UserGrantRole(aetcd.rpc.AuthUserGrantRoleRequest(user="root", role="root"))
+    for name, password in (users or {}).items():
+        role = f"{name}-rw"
+        permission = auth_pb2.Permission(
+            permType=auth_pb2.Permission.READWRITE,
+            key=prefix.encode(),
+            range_end=aetcd.utils.prefix_range_end(prefix.encode()),
+        )
+        await stub.RoleAdd(aetcd.rpc.AuthRoleAddRequest(name=role))
+        await stub.RoleGrantPermission(aetcd.rpc.AuthRoleGrantPermissionRequest(name=role, perm=permission))
+        await stub.UserAdd(aetcd.rpc.AuthUserAddRequest(name=name, password=password))
+        await stub.UserGrantRole(aetcd.rpc.AuthUserGrantRoleRequest(user=name, role=role))
+    await stub.AuthEnable(aetcd.rpc.AuthEnableRequest())

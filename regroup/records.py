@@ -15,6 +15,17 @@ from typing import Any, ClassVar, Self
 SCHEMA_VERSION = 1
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+"""Field names per record class, cached for ``Record.to_json``."""
+
+
+def _nested(value: Any) -> Any:
+    """A dataclass nested in a record field encodes as ``dataclasses.asdict`` would."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 class RecordError(ValueError):
     """A stored value is not a valid record of the expected kind."""
 
@@ -26,8 +37,15 @@ class Record:
     kind: ClassVar[str] = "record"
 
     def to_json(self) -> bytes:
-        body = {"v": SCHEMA_VERSION, "kind": self.kind, **dataclasses.asdict(self)}
-        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+        # A shallow dict: records are flat, and ``dataclasses.asdict`` deep-copies every
+        # field (the controller writes several records per decision). Same bytes.
+        names = _FIELD_NAMES.get(type(self))
+        if names is None:
+            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in dataclasses.fields(self))
+        body = {"v": SCHEMA_VERSION, "kind": self.kind}
+        for name in names:
+            body[name] = getattr(self, name)
+        return json.dumps(body, separators=(",", ":"), sort_keys=True, default=_nested).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Self:

@@ -1,0 +1,1 @@
+"""``regroup demo``: the whole loop on one machine (scenarios, local nodes, live view, report)."""

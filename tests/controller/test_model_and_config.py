@@ -267,13 +267,20 @@ def test_the_suspect_index_never_changes_a_decision() -> None:
                 m.etcd_put(KEYS.plan, action.plan, snap.plan_revision + 1)
 
 
-def test_plan_and_status_records_roundtrip_and_encode_like_to_json() -> None:
-    from controller.encode import record_json
-    from regroup.records import JobStatus, ReformPlan
+def test_plan_and_status_records_roundtrip_and_encode_like_asdict() -> None:
+    import dataclasses
+    import json
+
+    from regroup.records import SCHEMA_VERSION, JobStatus, Progress, ReformPlan
+
+    def record_json(record):  # the reference encoding: a deep copy of every field
+        body = {"v": SCHEMA_VERSION, "kind": record.kind, **dataclasses.asdict(record)}
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
     plan = ReformPlan(generation=3, cause="reclaim", planned=True, phase="checkpoint", reason="r", nodes_before=["a", "b"],
                       nodes_after=["a"], trace_id="ab" * 16, detected_at=1.5, decided_at=2.5)
     status = JobStatus(state="stalled", reason="x", world_size=1, nodes=["a"], alerts=["rendezvous-flapping"])
-    for record in (plan, status):
-        assert record_json(record) == record.to_json()
-        assert type(record).from_json(record_json(record)) == record
+    progress = Progress(step=7, loss=0.5, samples_seen=70, world_size=4, time=3.0, extra={"lr": [0.1, 0.2]})
+    for record in (plan, status, progress):
+        assert record.to_json() == record_json(record)
+        assert type(record).from_json(record.to_json()) == record
