@@ -25,6 +25,7 @@ test: etcd venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: etcd venv
+	$(PIP) install --disable-pip-version-check -q -e '.[train,report,test,bench]'
 	$(PY) -m bench $(ARGS)
 
 clean:

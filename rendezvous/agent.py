@@ -1,0 +1,178 @@
+"""The writes of one agent: its leased member key, join records, round closes.
+
+Every key an agent writes is bound to its lease, so a dead agent leaves nothing behind
+within the lease TTL. If etcd lost the lease (etcd was down longer than the TTL), the
+agent grants a new one and writes its keys again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import structlog
+
+from regroup import etcd
+from regroup.records import MemberRecord
+from rendezvous.connection import JobConnection
+from rendezvous.decisions import CloseRound, Me
+from rendezvous.records import JoinRecord, RoundState, agent_id
+from rendezvous.settings import RendezvousSettings
+from rendezvous.store import round_prefix
+
+log = structlog.get_logger("rendezvous.agent")
+
+ETCD_ERRORS = (etcd.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
+
+
+class AgentKeys:
+    """Registers one agent in etcd and applies the handler's decisions."""
+
+    def __init__(self, connection: JobConnection, settings: RendezvousSettings) -> None:
+        self._conn = connection
+        self._settings = settings
+        keys = settings.job
+        self._member_key = keys.member(settings.identity.node).encode()
+        self._join_key = f"{keys.rdzv}joins/{settings.identity.node}".encode()
+        self._state_key = f"{keys.rdzv}state".encode()
+        self._rounds_key = f"{keys.rdzv}rounds/".encode()
+        self._keeper: etcd.LeaseKeeper | None = None
+        self._renewal: asyncio.Task[None] | None = None
+        self._member_update: asyncio.Task[None] | None = None
+        self._leased: dict[bytes, bytes] = {}
+        ident = settings.identity
+        self.member = MemberRecord(
+            node=ident.node,
+            pod=ident.pod,
+            namespace=ident.namespace,
+            round=0,
+            local_world_size=ident.local_world_size,
+            host=ident.host,
+            joined_at=time.time(),
+        )
+        self.me = Me(node=ident.node, agent=agent_id(self.member), host=ident.host)
+
+    @property
+    def registered(self) -> bool:
+        return self._keeper is not None
+
+    @property
+    def client(self) -> Any:
+        return self._conn.client
+
+    async def register(self, join_round: int) -> int:
+        """Grant the lease, start its keep-alive, and write the member key and a join record
+        for ``join_round`` in one transaction; returns the revision."""
+        keeper = etcd.LeaseKeeper(self.client, self._settings.lease_ttl, on_lost=self._lease_lost)
+        await keeper.start()
+        keys = {self._member_key: self.member.to_json(), self._join_key: self._join_record(join_round)}
+        tx = self.client.transactions
+        try:
+            await self.client.transaction(
+                compare=[], success=[tx.put(key, value, lease=keeper.lease) for key, value in keys.items()], failure=[]
+            )
+        except BaseException:
+            await keeper.stop(revoke=True)
+            raise
+        self._keeper = keeper
+        self._leased.update(keys)
+        return await self._revision()
+
+    def update_member_soon(self, round: int, restart_count: int) -> None:
+        """Record the agent's round and restart count in its member key, off the critical path."""
+        self.member = dataclasses.replace(self.member, round=round, restart_count=restart_count)
+        self._leased[self._member_key] = self.member.to_json()
+        if self._member_update is None or self._member_update.done():
+            self._member_update = asyncio.create_task(self._write_member(), name=f"rdzv-member-{self.me.node}")
+
+    async def _write_member(self) -> None:
+        # Writes the latest record; a round formed while writing is picked up by the loop.
+        written = b""
+        while self._keeper is not None and written != self._leased[self._member_key]:
+            written = self._leased[self._member_key]
+            try:
+                await self.client.put(self._member_key, written, lease=self._keeper.lease)
+            except ETCD_ERRORS as exc:
+                log.warning("member record update failed; retrying", node=self.me.node, error=str(exc))
+                written = b""
+                await asyncio.sleep(0.5)
+
+    async def put_join(self, round: int) -> int:
+        return await self._put_leased(self._join_key, self._join_record(round))
+
+    def _join_record(self, round: int) -> bytes:
+        me = self.me
+        return JoinRecord(node=me.node, agent=me.agent, round=round, host=me.host, joined_at=time.time()).to_json()
+
+    async def close_round(self, step: CloseRound) -> tuple[bool, int]:
+        """Compare-and-set the round state, dropping the stores of earlier rounds; returns (won, revision)."""
+        tx = self.client.transactions
+        ok, _ = await self.client.transaction(
+            compare=[tx.mod(self._state_key) == step.expected_revision],
+            success=[
+                tx.put(self._state_key, step.state.to_json()),
+                tx.delete(self._rounds_key, range_end=round_prefix(self._settings.job.rdzv, step.state.round).encode()),
+            ],
+            failure=[],
+        )
+        return ok, await self._revision()
+
+    async def mark_closed(self, state: RoundState, revision: int) -> bool:
+        tx = self.client.transactions
+        closed = dataclasses.replace(state, closed=True, reason="closed by set_closed()")
+        ok, _ = await self.client.transaction(
+            compare=[tx.mod(self._state_key) == revision],
+            success=[tx.put(self._state_key, closed.to_json())],
+            failure=[],
+        )
+        return bool(ok)
+
+    async def leave(self) -> None:
+        """Delete this agent's keys (revoking the lease removes them all at once)."""
+        for task in (self._renewal, self._member_update):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._renewal = self._member_update = None
+        if self._keeper is not None:
+            keeper, self._keeper = self._keeper, None
+            await keeper.stop(revoke=True)
+        self._leased.clear()
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _put_leased(self, key: bytes, value: bytes) -> int:
+        if self._keeper is None:
+            raise RuntimeError("agent not registered")
+        self._leased[key] = value
+        response = await self.client.put(key, value, lease=self._keeper.lease)
+        return int(response.header.revision)
+
+    async def _revision(self) -> int:
+        response = await self.client.get(self._state_key)
+        return int(response.header.revision) if response is not None else 0
+
+    def _lease_lost(self) -> None:
+        if self._renewal is None or self._renewal.done():
+            self._renewal = asyncio.create_task(self._renew(), name=f"rdzv-lease-renew-{self.me.node}")
+
+    async def _renew(self) -> None:
+        """Grant a new lease and write this agent's keys again, retrying until etcd answers."""
+        backoff = 0.1
+        while True:
+            try:
+                keeper = etcd.LeaseKeeper(self.client, self._settings.lease_ttl, on_lost=self._lease_lost)
+                await keeper.start()
+                old, self._keeper = self._keeper, keeper
+                if old is not None:
+                    await old.stop(revoke=False)
+                for key, value in list(self._leased.items()):
+                    await self.client.put(key, value, lease=keeper.lease)
+                log.warning("lease re-granted after loss", node=self.me.node, lease=keeper.id)
+                return
+            except ETCD_ERRORS as exc:
+                log.warning("lease re-grant failed; retrying", node=self.me.node, error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)

@@ -1,0 +1,320 @@
+"""Rendezvous decisions as pure functions of the job's etcd view and ``now``.
+
+``plan_join`` says what a joining agent does next (write its join record, close the
+round, wait, or finish); ``count_waiting`` is what ``num_nodes_waiting()`` reports to
+torchrun's monitor loop. Neither does I/O: the handler applies their answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from regroup.records import ExpectedMembership, MemberRecord, ReformRequest
+from rendezvous.records import JoinRecord, RoundState, agent_id
+
+CLOSE_GRACE_S = 5.0
+"""How long the other agents give the new round's live rank 0 to close it before trying themselves."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What the agent knows of the job's keys at one etcd revision."""
+
+    revision: int = 0
+    state: RoundState | None = None
+    state_revision: int = 0
+    """mod_revision of ``rdzv/state`` (0: absent): the compare-and-set token."""
+    members: Mapping[str, MemberRecord] = field(default_factory=dict)
+    """Live agents by node (their keys vanish with their lease)."""
+    joins: Mapping[str, JoinRecord] = field(default_factory=dict)
+    expected: ExpectedMembership | None = None
+    reform: ReformRequest | None = None
+    controller: bool = False
+    """A controller is present (``control/controller`` exists)."""
+
+    @cached_property
+    def _alive(self) -> dict[str, str]:
+        return {agent_id(m): node for node, m in self.members.items()}
+
+    def alive(self) -> dict[str, str]:
+        """Live agent id -> node."""
+        return self._alive
+
+    @cached_property
+    def memo(self) -> dict[Bounds, object]:
+        """Decisions derived from this view alone, computed once for all agents reading it."""
+        return {}
+
+    @cached_property
+    def next_joiners(self) -> list[JoinRecord]:
+        """Live agents asking for the next round, in rank order (computed once per view:
+        every agent sharing this view decides from it)."""
+        return _joiners(self, (self.state.round if self.state else 0) + 1)
+
+    @cached_property
+    def last_joined_at(self) -> float:
+        """When the latest of ``next_joiners`` joined."""
+        return max((j.joined_at for j in self.next_joiners), default=0.0)
+
+    @cached_property
+    def next_joined(self) -> frozenset[str]:
+        return frozenset(j.node for j in self.next_joiners)
+
+
+@dataclass(frozen=True)
+class Me:
+    """The agent asking."""
+
+    node: str
+    agent: str
+    host: str
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_nodes: int
+    max_nodes: int
+    last_call_s: float
+
+
+# What plan_join answers -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Done:
+    """This agent is rank ``rank`` of round ``round``."""
+
+    round: int
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class PutJoin:
+    """Write (or refresh) this agent's join record for ``round``."""
+
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class CloseRound:
+    """Compare-and-set ``rdzv/state`` from ``expected_revision`` to ``state``."""
+
+    state: RoundState
+    expected_revision: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do until the view changes or ``until`` (unix time) passes."""
+
+    reason: str
+    until: float | None = None
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """The controller's expected membership left this agent out: leave cleanly."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The rendezvous is closed: the job is over."""
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The job runs with other bounds than this agent's ``--nnodes``."""
+
+    reason: str
+
+
+JoinStep = Done | PutJoin | CloseRound | Wait | Excluded | Closed | Conflict
+
+
+def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds: Bounds) -> JoinStep:
+    """Next step of an agent inside ``next_rendezvous``.
+
+    ``joined_for`` is the round this agent's join record asks for (None before it wrote one).
+    """
+    state = view.state
+    current = state.round if state else 0
+    if state is not None:
+        if state.closed:
+            return Closed()
+        if (state.min_nodes, state.max_nodes) != (bounds.min_nodes, bounds.max_nodes):
+            others = [node for node in view.members if node != me.node]
+            if others:
+                return Conflict(
+                    f"the job runs with --nnodes={state.min_nodes}:{state.max_nodes} "
+                    f"(members {_names(sorted(others))}) but this agent has "
+                    f"--nnodes={bounds.min_nodes}:{bounds.max_nodes}"
+                )
+        if me.agent in state.excluded:
+            return Excluded(f"left out of round {current}: {state.reason}")
+        if joined_for is not None and current >= joined_for:
+            rank = state.rank_of(me.agent)
+            if rank is not None and current == joined_for:
+                return Done(current, rank, len(state.agents))
+            joined_for = None  # a round formed without this agent: ask for the next one
+    mine = view.joins.get(me.node)
+    if joined_for is None or mine is None or mine.agent != me.agent or mine.round != current + 1:
+        return PutJoin(current + 1, "join" if joined_for is None else "refresh join record")
+    ready = _readiness(view, bounds)
+    closing = (
+        ready.members
+        if ready.members is not None
+        else (view.next_joiners if ready.until is not None and now >= ready.until else None)
+    )
+    if closing and closing[0].agent != me.agent and closing[0].agent in view.alive():
+        # The new round's rank 0 closes it; the others step in only if it is gone or stuck.
+        backup = view.last_joined_at + CLOSE_GRACE_S
+        if now < backup:
+            return Wait(f"round {current + 1} ready; {closing[0].node} closes it", until=backup)
+    return plan_close(view, now, bounds)
+
+
+def _joiners(view: JobView, target: int) -> list[JoinRecord]:
+    """Live agents asking for round ``target``: previous members first (they keep their
+    relative rank, so rank 0 stays put), then newcomers by join time."""
+    alive = view.alive()
+    joins = [j for j in view.joins.values() if j.round == target and alive.get(j.agent) == j.node]
+    previous = {a: i for i, a in enumerate(view.state.agents)} if view.state else {}
+    return sorted(joins, key=lambda j: (previous.get(j.agent, len(previous)), j.joined_at, j.node))
+
+
+def _round(
+    view: JobView, members: list[JoinRecord], now: float, bounds: Bounds, reason: str, **extra: object
+) -> CloseRound:
+    state = view.state
+    reform = view.reform.generation if view.reform else 0
+    base: dict[str, object] = {
+        "min_nodes": bounds.min_nodes,
+        "max_nodes": bounds.max_nodes,
+        "round": (state.round if state else 0) + 1,
+        "nodes": [j.node for j in members],
+        "agents": [j.agent for j in members],
+        "hosts": [j.host for j in members],
+        "reform_generation": max(reform, state.reform_generation if state else 0),
+        "expected_generation": state.expected_generation if state else 0,
+        "excluded": [],
+        "formed_at": now,
+        "reason": reason,
+    }
+    base.update(extra)
+    return CloseRound(RoundState(**base), view.state_revision)  # type: ignore[arg-type]
+
+
+def usable_expected(view: JobView, bounds: Bounds) -> ExpectedMembership | None:
+    """The controller's expected membership, if it is new and fits the bounds."""
+    expected = view.expected
+    if expected is None:
+        return None
+    if view.state is not None and expected.generation <= view.state.expected_generation:
+        return None
+    nodes = expected.nodes
+    if len(set(nodes)) != len(nodes) or not bounds.min_nodes <= len(nodes) <= bounds.max_nodes:
+        return None
+    return expected
+
+
+@dataclass(frozen=True)
+class _Readiness:
+    """Whether the next round can close, from the view alone (shared by all its readers)."""
+
+    members: list[JoinRecord] | None
+    """The round's members, in rank order, when it can close now; else None."""
+    reason: str
+    until: float | None = None
+    """When waiting for a last call: the moment it ends (then ``members`` are the joiners)."""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def _readiness(view: JobView, bounds: Bounds) -> _Readiness:
+    memo = view.memo.get(bounds)
+    if memo is None:
+        memo = view.memo[bounds] = _assess(view, bounds)
+    return memo
+
+
+def _assess(view: JobView, bounds: Bounds) -> _Readiness:
+    state = view.state
+    joiners = view.next_joiners
+    joined = view.next_joined
+    expected = usable_expected(view, bounds)
+    if expected is not None:
+        missing = [n for n in expected.nodes if n not in joined]
+        if missing:
+            return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(missing)}")
+        by_node = {j.node: j for j in joiners}
+        wanted = set(expected.nodes)
+        left_out = [j.agent for j in joiners if j.node not in wanted]
+        if state is not None:
+            left_out += [a for a, n in zip(state.agents, state.nodes) if n not in wanted and a in view.alive()]
+        reason = f"expected membership g{expected.generation}" + (f" ({expected.reason})" if expected.reason else "")
+        extra = {"expected_generation": expected.generation, "excluded": sorted(set(left_out))}
+        return _Readiness([by_node[n] for n in expected.nodes], reason, extra=extra)
+    if len(joiners) >= bounds.max_nodes:
+        return _Readiness(joiners[: bounds.max_nodes], f"max {bounds.max_nodes} nodes joined")
+    if len(joiners) < bounds.min_nodes:
+        return _Readiness(None, f"{len(joiners)}/{bounds.min_nodes} nodes joined")
+    alive = view.alive()
+    previous = set(state.agents) if state else set()
+    running = sorted(alive[a] for a in previous if a in alive and alive[a] not in joined)
+    if running:
+        return _Readiness(None, f"waiting for running members to rejoin: {_names(running)}")
+    registering = [n for n in view.members if n not in joined]
+    if not registering and any(j.agent in previous for j in joiners):
+        return _Readiness(joiners, "every live member rejoined")
+    deadline = sorted(j.joined_at for j in joiners)[bounds.min_nodes - 1] + bounds.last_call_s
+    return _Readiness(None, f"last call for more nodes ({len(joiners)} joined)", until=deadline)
+
+
+def plan_close(view: JobView, now: float, bounds: Bounds) -> CloseRound | Wait:
+    """Close the next round now, or wait (and until when)."""
+    ready = _readiness(view, bounds)
+    if ready.members is not None:
+        return _round(view, ready.members, now, bounds, ready.reason, **ready.extra)
+    if ready.until is not None and now >= ready.until:
+        return _round(view, view.next_joiners, now, bounds, f"last call after {bounds.last_call_s}s")
+    return Wait(ready.reason, until=ready.until)
+
+
+def count_waiting(view: JobView, my_round: int, max_nodes: int) -> tuple[int, str]:
+    """What ``num_nodes_waiting()`` reports for an agent running round ``my_round``, and why.
+
+    Non-zero makes torchrun stop the workers and call ``next_rendezvous`` again.
+    """
+    state = view.state
+    if state is None or state.closed or my_round == 0:
+        return 0, ""
+    if state.round != my_round:
+        return 1, f"round {state.round} formed after this agent's round {my_round}"
+    if view.reform is not None and view.reform.generation > state.reform_generation:
+        return 1, f"re-form requested (g{view.reform.generation}, {view.reform.cause})"
+    alive = view.alive()
+    lost = [n for a, n in zip(state.agents, state.nodes) if a not in alive]
+    if lost:
+        return len(lost), f"member(s) lost: {_names(lost)}"
+    if not view.controller and len(state.agents) < max_nodes:
+        current = set(state.agents)
+        waiting = [
+            j.node
+            for j in view.joins.values()
+            if j.round == my_round + 1 and j.agent not in current and alive.get(j.agent) == j.node
+        ]
+        if waiting:
+            return len(waiting), f"node(s) waiting to join: {_names(sorted(waiting))}"
+    return 0, ""
+
+
+def _names(nodes: list[str], shown: int = 5) -> str:
+    """A list of node names for a reason string, cut short for large jobs."""
+    if len(nodes) <= shown:
+        return ", ".join(nodes)
+    return f"{', '.join(nodes[:shown])} and {len(nodes) - shown} more"

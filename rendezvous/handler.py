@@ -1,0 +1,338 @@
+"""``EtcdV3RendezvousHandler``: torchrun's ``RendezvousHandler`` on the etcd v3 API.
+
+torchrun calls it from its (synchronous) agent; the etcd work runs on an asyncio loop
+in a thread. Decisions come from ``rendezvous.decisions`` (pure), the writes from
+``rendezvous.agent``, the view of the job from ``rendezvous.watch``.
+
+Every round gets a fresh agent store in etcd (``rendezvous.store.RoundStore``), so no
+stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this one
+(pytorch#135712), and no agent hosts a store the job depends on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from regroup.etcd import LoopThread
+from regroup.telemetry import context_from_traceparent
+from rendezvous.agent import ETCD_ERRORS, AgentKeys
+from rendezvous.connection import JobConnection
+from rendezvous.decisions import (
+    Bounds,
+    Closed,
+    CloseRound,
+    Conflict,
+    Done,
+    Excluded,
+    JobView,
+    PutJoin,
+    Wait,
+    count_waiting,
+    plan_join,
+)
+from rendezvous.settings import RendezvousSettings
+from rendezvous.store import RoundStore, round_prefix
+
+log = structlog.get_logger("rendezvous")
+
+BACKEND_NAME = "etcd-v3"
+# How long a read of the round's store waits for its key.
+STORE_TIMEOUT = timedelta(seconds=60)
+
+
+class ExcludedFromRound(RendezvousGracefulExitError):
+    """The controller's expected membership left this node out; its agent exits cleanly."""
+
+
+@dataclass
+class Shared:
+    """A loop thread and a job connection that several handlers of one process share."""
+
+    loop: LoopThread
+    connection: JobConnection
+
+    @classmethod
+    def open(cls, settings: RendezvousSettings) -> Shared:
+        loop = LoopThread(name=f"rdzv-{settings.job.job}")
+        try:
+            connection = loop.run(
+                JobConnection.open(settings.etcd, settings.job, settings.timeouts.join.total_seconds())
+            )
+        except BaseException:
+            loop.close()
+            raise
+        return cls(loop, connection)
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self.connection.close(), timedelta(seconds=5))
+        except (TimeoutError, *ETCD_ERRORS):
+            pass
+        self.loop.close()
+
+
+class EtcdV3RendezvousHandler(RendezvousHandler):
+    """Elastic rendezvous on etcd v3: leased members, watch-driven, controller-aware."""
+
+    def __init__(
+        self,
+        settings: RendezvousSettings,
+        shared: Shared | None = None,
+        exit_when_excluded: bool = False,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        """``shared``: a connection several handlers of one process use (default: its own).
+        ``exit_when_excluded``: leave with ``SystemExit(0)`` instead of raising
+        ``ExcludedFromRound`` (what torchrun needs, see ``next_rendezvous``).
+        ``tracer_provider``: where the ``regroup.rendezvous.join`` spans go (default: global)."""
+        self._settings = settings
+        self._tracer_provider = tracer_provider
+        self._tracer = trace.get_tracer("regroup.rendezvous", tracer_provider=tracer_provider)
+        self._exit_when_excluded = exit_when_excluded
+        self._owns_shared = shared is None
+        self._shared = shared or Shared.open(settings)
+        self._keys = AgentKeys(self._shared.connection, settings)
+        self._bounds = Bounds(settings.min_nodes, settings.max_nodes, settings.timeouts.last_call.total_seconds())
+        self._round = 0
+        self._restart_count = 0
+        self._restart_requested = False
+        self._store: Store | None = None
+        self._last_reason = ""
+        self._shut = False
+
+    # -- RendezvousHandler --------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers bootstrap their own store from MASTER_ADDR/PORT, chosen fresh each round.
+        return False
+
+    def get_run_id(self) -> str:
+        return self._settings.job.job
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        return self._settings
+
+    @property
+    def node(self) -> str:
+        return self._settings.identity.node
+
+    @property
+    def view(self) -> JobView:
+        """This agent's current view of the job's etcd keys."""
+        return self._shared.connection.watch.view
+
+    @property
+    def round(self) -> int:
+        """The round this agent last joined (0: none yet)."""
+        return self._round
+
+    @property
+    def restart_count(self) -> int:
+        """Rounds this agent re-entered because its own workers failed (see ``next_rendezvous``)."""
+        return self._restart_count
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and return this agent's rank, the world size and a fresh store.
+
+        Raises ``ExcludedFromRound`` (a ``RendezvousGracefulExitError``) when the controller's
+        expected membership leaves this node out.
+
+        ``restart_count`` counts the calls after the first that were not asked for by
+        ``num_nodes_waiting()``: torchrun's agent re-enters the rendezvous either because
+        this handler reported a membership change, or because its own workers failed
+        (the only other path, and the one that spends one of ``--max-restarts``).
+        """
+        if self._round and not self._restart_requested:
+            self._restart_count += 1
+        self._restart_requested = False
+        attributes = {"regroup.job": self._settings.job.job, "regroup.node": self.node}
+        with self._tracer.start_as_current_span(
+            "regroup.rendezvous.join", context=context_from_traceparent(self._requested_by()), attributes=attributes
+        ) as span:
+            info = self._next_rendezvous()
+            span.set_attributes(
+                {
+                    "regroup.round": self._round,
+                    "regroup.rank": info.rank,
+                    "regroup.world_size": info.world_size,
+                    "regroup.restart_count": self._restart_count,
+                }
+            )
+            return info
+
+    def _requested_by(self) -> str:
+        """The ``traceparent`` of the controller request this rendezvous answers, if any: the
+        agent's span then joins the re-form's trace."""
+        view = self.view
+        state = view.state
+        if view.reform is not None and (state is None or view.reform.generation > state.reform_generation):
+            return view.reform.traceparent
+        if view.expected is not None and (state is None or view.expected.generation > state.expected_generation):
+            return view.expected.traceparent
+        return ""
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        timeout = self._settings.timeouts.join + timedelta(seconds=5)
+        started = time.monotonic()
+        try:
+            number, rank, world_size = self._shared.loop.run(self._rendezvous(), timeout)
+        except ExcludedFromRound as exc:
+            if not self._exit_when_excluded:
+                raise
+            # torch 2.13's launcher turns RendezvousGracefulExitError into an AttributeError
+            # (agent.run() returns None) and exits 1; SystemExit(0) is what it lets through as 0.
+            log.warning(
+                "left out of the next round; exiting", job=self._settings.job.job, node=self.node, reason=str(exc)
+            )
+            raise SystemExit(0) from exc
+        prefix = round_prefix(self._settings.job.rdzv, number)
+        store = RoundStore(self._shared.loop, self._shared.connection, prefix, STORE_TIMEOUT)
+        self._store = store
+        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._settings.identity.host)
+        log.info(
+            "rendezvous complete",
+            job=self._settings.job.job,
+            node=self.node,
+            round=number,
+            rank=rank,
+            world_size=world_size,
+            restart_count=self._restart_count,
+            seconds=round_s(time.monotonic() - started),
+        )
+        return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def is_closed(self) -> bool:
+        state = self.view.state
+        return bool(state and state.closed)
+
+    def set_closed(self) -> None:
+        self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
+
+    def num_nodes_waiting(self) -> int:
+        waiting, reason = count_waiting(self.view, self._round, self._settings.max_nodes)
+        if waiting:
+            if not self._restart_requested:
+                log.info("re-forming", job=self._settings.job.job, node=self.node, round=self._round, reason=reason)
+            self._restart_requested = True
+        return waiting
+
+    def shutdown(self) -> bool:
+        if self._shut:
+            return True
+        self._shut = True
+        try:
+            self._shared.loop.run(self._keys.leave(), self._settings.timeouts.close)
+        except (TimeoutError, *ETCD_ERRORS) as exc:
+            log.warning("leaving the rendezvous failed; the lease will expire", node=self.node, error=str(exc))
+        finally:
+            self._store = None
+            if self._owns_shared:
+                self._shared.close()
+            flush = getattr(self._tracer_provider or trace.get_tracer_provider(), "force_flush", None)
+            if flush is not None:
+                flush(2000)
+        return True
+
+    # -- the join loop (on the handler's loop thread) ----------------------------------------
+
+    async def _rendezvous(self) -> tuple[int, int, int]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.timeouts.join.total_seconds()
+        watch = self._shared.connection.watch
+        joined_for: int | None = None
+        backoff = 0.05
+        while True:
+            try:
+                version = watch.version
+                step = plan_join(watch.view, self._keys.me, joined_for, time.time(), self._bounds)
+                self._note(step)
+                if isinstance(step, Done):
+                    self._round = step.round
+                    self._keys.update_member_soon(step.round, self._restart_count)
+                    return step.round, step.rank, step.world_size
+                if isinstance(step, PutJoin):
+                    if self._keys.registered:
+                        revision = await self._keys.put_join(step.round)
+                    else:
+                        revision = await self._keys.register(join_round=step.round)
+                    await watch.caught_up(revision, 2.0)
+                    joined_for = step.round
+                elif isinstance(step, CloseRound):
+                    won, revision = await self._keys.close_round(step)
+                    if won:
+                        log.info(
+                            "round closed",
+                            job=self._settings.job.job,
+                            round=step.state.round,
+                            reason=step.state.reason,
+                            nodes=step.state.nodes,
+                        )
+                    await watch.caught_up(revision, 2.0)
+                elif isinstance(step, Wait):
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise RendezvousTimeoutError(
+                            f"rendezvous {self._settings.job.job}: no round formed within join_timeout "
+                            f"{self._settings.timeouts.join.total_seconds():.0f}s ({step.reason})"
+                        )
+                    if step.until is not None:
+                        remaining = min(remaining, max(0.0, step.until - time.time()) + 0.01)
+                    await watch.changed(remaining, since=version)
+                elif isinstance(step, Excluded):
+                    raise ExcludedFromRound(f"node {self.node}: {step.reason}")
+                elif isinstance(step, Closed):
+                    raise RendezvousClosedError(f"rendezvous {self._settings.job.job} is closed")
+                elif isinstance(step, Conflict):
+                    raise RendezvousError(f"rdzv-id {self._settings.job.job}: {step.reason}")
+                backoff = 0.05
+            except ETCD_ERRORS as exc:
+                if loop.time() + backoff > deadline:
+                    raise RendezvousConnectionError(
+                        f"etcd at {self._settings.etcd.describe()} failed during rendezvous: {exc}"
+                    ) from exc
+                log.warning("etcd request failed during rendezvous; retrying", node=self.node, error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _set_closed(self) -> None:
+        watch = self._shared.connection.watch
+        while True:
+            view = watch.view
+            if view.state is None or view.state.closed:
+                return
+            if await self._keys.mark_closed(view.state, view.state_revision):
+                return
+            await watch.changed(0.5)
+
+    def _note(self, step: Any) -> None:
+        reason = getattr(step, "reason", "")
+        if isinstance(step, Wait) and reason != self._last_reason:
+            log.info("rendezvous waiting", job=self._settings.job.job, node=self.node, reason=reason)
+        self._last_reason = reason
+
+
+def round_s(seconds: float) -> float:
+    return float(f"{seconds:.3f}")

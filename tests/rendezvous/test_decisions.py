@@ -1,0 +1,182 @@
+"""The rendezvous decisions as pure functions: any moment built by hand, no etcd, no clock."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from regroup.records import ExpectedMembership, MemberRecord, ReformRequest
+from rendezvous.decisions import (
+    Bounds,
+    Closed,
+    CloseRound,
+    Conflict,
+    Done,
+    Excluded,
+    JobView,
+    Me,
+    PutJoin,
+    Wait,
+    count_waiting,
+    plan_close,
+    plan_join,
+)
+from rendezvous.records import JoinRecord, RoundState, agent_id
+from rendezvous.settings import SettingsError, parse_settings
+
+BOUNDS = Bounds(min_nodes=2, max_nodes=4, last_call_s=1.0)
+
+
+def member(node: str, registered: float = 1.0) -> MemberRecord:
+    return MemberRecord(node=node, pod=node, namespace="default", round=0, local_world_size=1, joined_at=registered)
+
+
+def aid(node: str) -> str:
+    return agent_id(member(node))
+
+
+def join(node: str, round: int, at: float = 10.0) -> JoinRecord:
+    return JoinRecord(node=node, agent=aid(node), round=round, host="h", joined_at=at)
+
+
+def formed(nodes: list[str], round: int = 1, **extra: object) -> RoundState:
+    return RoundState(
+        min_nodes=2,
+        max_nodes=4,
+        round=round,
+        nodes=nodes,
+        agents=[aid(n) for n in nodes],
+        hosts=["h"] * len(nodes),
+        **extra,
+    )  # type: ignore[arg-type]
+
+
+def view(alive: list[str], joins: list[JoinRecord] = (), state: RoundState | None = None, **extra: object) -> JobView:  # type: ignore[assignment]
+    return JobView(
+        state=state,
+        state_revision=7 if state else 0,
+        members={n: member(n) for n in alive},
+        joins={j.node: j for j in joins},
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def me(node: str) -> Me:
+    return Me(node=node, agent=aid(node), host="h")
+
+
+def test_first_round_waits_a_last_call_after_min_then_closes() -> None:
+    v = view(["a", "b"], [join("a", 1, at=10.0), join("b", 1, at=10.5)])
+    wait = plan_close(v, now=11.0, bounds=BOUNDS)
+    assert isinstance(wait, Wait) and wait.until == pytest.approx(11.5)
+    closed = plan_close(v, now=11.5, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound)
+    assert closed.state.nodes == ["a", "b"] and closed.state.round == 1 and closed.expected_revision == 0
+
+
+def test_below_min_waits_without_deadline_and_max_closes_at_once() -> None:
+    assert plan_close(view(["a"], [join("a", 1)]), now=99, bounds=BOUNDS) == Wait("1/2 nodes joined")
+    full = view(list("abcde"), [join(n, 1, at=i) for i, n in enumerate("abcde")])
+    closed = plan_close(full, now=0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == list("abcd")
+
+
+def test_a_re_form_closes_as_soon_as_every_live_member_rejoined() -> None:
+    state = formed(["b", "a", "c"])
+    v = view(["a", "b"], [join("a", 2), join("b", 2)], state=state)  # c is gone
+    closed = plan_close(v, now=10.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound)
+    assert closed.state.nodes == ["b", "a"], "previous members keep their relative rank"
+    assert closed.expected_revision == 7
+
+
+def test_a_re_form_waits_for_running_members_however_long() -> None:
+    v = view(["a", "b", "c"], [join("a", 2), join("b", 2)], state=formed(["a", "b", "c"]))
+    step = plan_close(v, now=1e9, bounds=BOUNDS)
+    assert isinstance(step, Wait) and "c" in step.reason
+
+
+def test_joiners_of_dead_agents_do_not_count() -> None:
+    v = view(["a"], [join("a", 1), join("b", 1)])
+    assert plan_close(v, now=99, bounds=BOUNDS) == Wait("1/2 nodes joined")
+
+
+def test_expected_membership_closes_exactly_those_nodes_and_excludes_the_rest() -> None:
+    expected = ExpectedMembership(generation=3, nodes=["c", "a"], reason="reclaim b")
+    state = formed(["a", "b"])
+    v = view(["a", "b", "c"], [join("a", 2), join("c", 2)], state=state, expected=expected)
+    closed = plan_close(v, now=10.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound)
+    assert closed.state.nodes == ["c", "a"]
+    assert closed.state.expected_generation == 3
+    assert closed.state.excluded == [aid("b")]
+    missing = plan_close(view(["a", "c"], [join("a", 2)], state=state, expected=expected), now=10, bounds=BOUNDS)
+    assert isinstance(missing, Wait) and "c" in missing.reason
+
+
+def test_a_consumed_or_out_of_bounds_expected_membership_is_ignored() -> None:
+    spent = ExpectedMembership(generation=3, nodes=["a", "b"])
+    state = formed(["a", "b"], expected_generation=3)
+    v = view(["a", "b", "c"], [join("a", 2), join("b", 2), join("c", 2)], state=state, expected=spent)
+    step = plan_close(v, now=0, bounds=BOUNDS)
+    assert isinstance(step, CloseRound) and step.state.nodes == ["a", "b", "c"]
+    too_small = ExpectedMembership(generation=9, nodes=["a"])
+    step = plan_close(view(["a"], [join("a", 1)], expected=too_small), now=0, bounds=BOUNDS)
+    assert step == Wait("1/2 nodes joined")
+
+
+def test_plan_join_steps_an_agent_through_join_close_and_done() -> None:
+    assert plan_join(view(["a"]), me("a"), None, 0, BOUNDS) == PutJoin(1, "join")
+    state = formed(["a", "b"])
+    assert plan_join(view(["a", "b"], state=state), me("b"), 1, 0, BOUNDS) == Done(1, 1, 2)
+    # A round formed without this agent: it asks for the next one.
+    assert isinstance(plan_join(view(["a", "b", "c"], state=state), me("c"), 1, 0, BOUNDS), PutJoin)
+    assert isinstance(plan_join(view(["b"], state=formed(["a"], excluded=[aid("b")])), me("b"), 2, 0, BOUNDS), Excluded)
+    assert plan_join(view(["a"], state=formed(["a"], closed=True)), me("a"), None, 0, BOUNDS) == Closed()
+
+
+def test_other_bounds_conflict_only_while_the_job_has_live_members() -> None:
+    other = RoundState(min_nodes=1, max_nodes=8, round=4, nodes=["x"], agents=[aid("x")])
+    step = plan_join(view(["x", "a"], state=other), me("a"), None, 0, BOUNDS)
+    assert isinstance(step, Conflict) and "--nnodes=1:8" in step.reason and "--nnodes=2:4" in step.reason
+    assert plan_join(view(["a"], state=other), me("a"), None, 0, BOUNDS) == PutJoin(5, "join")
+
+
+def test_count_waiting_reports_joiners_only_without_a_controller() -> None:
+    state = formed(["a", "b"])
+    v = view(["a", "b", "c"], [join("c", 2)], state=state)
+    assert count_waiting(v, 1, 4)[0] == 1
+    assert count_waiting(view(["a", "b", "c"], [join("c", 2)], state=state, controller=True), 1, 4) == (0, "")
+    assert count_waiting(v, 1, max_nodes=2) == (0, ""), "a full job does not re-form for joiners"
+
+
+def test_count_waiting_reports_lost_members_reform_requests_and_newer_rounds() -> None:
+    state = formed(["a", "b"], reform_generation=4)
+    assert count_waiting(view(["a"], state=state, controller=True), 1, 4)[0] == 1
+    old = ReformRequest(generation=4, cause="manual")
+    assert count_waiting(view(["a", "b"], state=state, reform=old), 1, 4) == (0, "")
+    new = ReformRequest(generation=5, cause="grow")
+    assert count_waiting(view(["a", "b"], state=state, reform=new), 1, 4)[0] == 1
+    assert count_waiting(view(["a", "b"], state=formed(["a", "b"], round=2)), 1, 4)[0] == 1
+
+
+def test_settings_refuse_bad_options_naming_them() -> None:
+    base = {"endpoint": "127.0.0.1:2379", "run_id": "job", "min_nodes": 1, "max_nodes": 2, "env": {}}
+    with pytest.raises(SettingsError, match="lease-ttl"):
+        parse_settings(conf={"lease-ttl": "3"}, **base)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="lease_ttl"):
+        parse_settings(conf={"lease_ttl": "1"}, **base)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="join_timeout"):
+        parse_settings(conf={"join_timeout": "soon"}, **base)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="cacert"):
+        parse_settings(conf={"cacert": "/no/such/ca.pem"}, **base)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="password"):
+        parse_settings(conf={"user": "u"}, **base)  # type: ignore[arg-type]
+    settings = parse_settings(
+        conf={"timeout": "90", "last_call_timeout": "0", "key_prefix": "/x"},
+        **{**base, "env": {"POD_NAMESPACE": "team", "NODE_NAME": "n7"}},  # type: ignore[arg-type]
+    )
+    assert settings.timeouts.join == timedelta(seconds=90)
+    assert settings.timeouts.last_call == timedelta(0)
+    assert settings.job.member("n7") == "/x/team/job/members/n7"
