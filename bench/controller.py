@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.cluster import NodeInfo, ObjectRef, PodInfo, Taint
+from controller.decide import decide
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
 from controller.reconciler import Reconciler
@@ -511,12 +512,64 @@ async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:
     }
 
 
+async def run_costs(layout: Layout) -> dict[str, Any]:
+    """CPU cost of the storm's common events on one 50-node job (best of 15 x N calls):
+    the model update plus the snapshot the next decision takes, and ``decide`` itself."""
+    import timeit
+
+    h = await _direct_harness(layout, 1)
+    await h.stop()
+    m, settings, j = h.model, h.settings, 7
+    job = (NAMESPACE, layout.job(j))
+    keys = JobKeys(NAMESPACE, layout.job(j), settings.etcd_prefix)
+    other = layout.job_nodes(j)[5]
+
+    def best(fn: Callable[[], None], number: int = 200) -> float:
+        return round(min(timeit.repeat(fn, number=number, repeat=15)) / number * 1e6, 1)
+
+    def decision() -> None:
+        decide(m.snapshot(job), time.time(), settings)
+
+    costs: dict[str, Any] = {"path": "costs (us per call)", "decide_steady_us": best(decision)}
+    tainted = layout.job_nodes(j)[3]
+    m.node_changed(NodeInfo(tainted, taints=(Taint("karpenter.sh/disrupted"),)))
+    costs["decide_one_tainted_node_us"] = best(decision)
+    m.node_changed(NodeInfo(tainted))
+    restarts = iter(range(1, 10**9))
+
+    def pod_restart() -> None:
+        m.pod_changed(pod_info(layout, j, other, next(restarts)))
+        m.snapshot(job)
+
+    costs["pod_restart_and_snapshot_us"] = best(pod_restart)
+    records = [member(layout, j, other, k) for k in range(1500)]
+    ranks = iter(range(10**9))
+
+    def rank_restart() -> None:
+        m.etcd_put(keys.member(other), records[next(ranks) % len(records)], 2)
+        m.snapshot(job)
+
+    costs["rank_restart_and_snapshot_us"] = best(rank_restart, 100)
+
+    def pod_delete_create() -> None:
+        m.pod_deleted(NAMESPACE, layout.pod(j, other))
+        m.snapshot(job)
+        m.pod_changed(pod_info(layout, j, other))
+        m.snapshot(job)
+
+    costs["pod_delete_or_create_and_snapshot_us"] = round(best(pod_delete_create, 50) / 2, 1)
+    return costs
+
+
 def _one(args: argparse.Namespace) -> int:
     from regroup.telemetry import configure_logging
 
     # The storm makes the controller log thousands of cordons and re-forms; keep errors only.
     configure_logging(__import__("os").environ.get("REGROUP_LOG_LEVEL", "error"))
     layout = Layout()
+    if args.costs:
+        print(json.dumps(asyncio.run(run_costs(layout))))
+        return 0
     if args.only == "direct":
         result = asyncio.run(run_direct(layout, args.events, args.seed, args.workers, args.rate, args.chunk,
                                         args.paced_events))
@@ -541,11 +594,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chunk", type=int, default=500, help="events per delivery in the throughput run (a watch read)")
     parser.add_argument("--only", choices=("direct", "http", "anchor"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--costs", action="store_true", help="only print per-event CPU costs on one job (timeit)")
     args = parser.parse_args(argv)
     args.events = args.events or (20_000 if args.quick else 100_000)
     args.http_events = args.http_events or (4_000 if args.quick else 20_000)
     args.paced_events = args.paced_events or (10_000 if args.quick else 50_000)
-    if args.only:
+    if args.only or args.costs:
         return _one(args)
     results = []
     for path in ("direct", "anchor", "http"):

@@ -98,7 +98,7 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
     else:
         reason, stalled = _start(s, world, joiners, config, health, now, settings, newest, out)
         state = "stalled" if stalled else ("reforming" if out.actions and _started(out) else "healthy")
-    live = sorted(n for n in world if n not in health.lost)
+    live = sorted([n for n in world if n not in health.lost] if health.lost else world)
     _status(s, out, state, reason, live, config, now, flapping=flapping, gpu=gpu_alert)
     alerts = Alerts(stalled=stalled, flapping=flapping, rendezvous_on_gpu=gpu_alert)
     return _decision(out, reason, len(live), config, alerts)
@@ -107,12 +107,12 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
 # --- observation helpers -------------------------------------------------------------
 
 
-def _world(s: JobSnapshot) -> set[str]:
+def _world(s: JobSnapshot) -> frozenset[str]:
     """Nodes of the job's current round, including members that vanished from it."""
-    world = set(s.world_seen)  # the model adds every member of world_round to it
+    world = s.world_seen  # the model adds every member of world_round to it
     plan = s.plan
     if plan is not None and plan.phase == DONE and plan.outcome == "completed" and plan.round_after == s.world_round:
-        world.update(plan.nodes_after)
+        world = world.union(plan.nodes_after)
     return world
 
 
@@ -120,13 +120,15 @@ def _pod_by_name(s: JobSnapshot) -> Mapping[str, PodInfo]:
     return s.pods_by_name if s.pods_by_name is not None else {p.name: p for p in s.pods}
 
 
-def _health(s: JobSnapshot, world: set[str], config: JobConfig, now: float) -> _Health:
+def _health(s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float) -> _Health:
     health = _Health()
     pods = _pod_by_name(s)
-    candidates = set(world) | s.members.keys()
-    if s.suspects is not None:
-        candidates &= s.suspects
     members, nodes, world_round = s.members, s.nodes, s.world_round
+    if s.suspects is not None:
+        # Suspects are few: filter them rather than building the round's whole node set.
+        candidates: Iterable[str] = [n for n in s.suspects if n in world or n in members]
+    else:
+        candidates = world | members.keys()
     cached = s.verdicts if not config.reclaim_taints else None
     for node in candidates:
         member = members.get(node)
@@ -176,12 +178,13 @@ def _health(s: JobSnapshot, world: set[str], config: JobConfig, now: float) -> _
     return health
 
 
-def _joiners(s: JobSnapshot, world: set[str], health: _Health) -> list[str]:
+def _joiners(s: JobSnapshot, world: frozenset[str], health: _Health) -> list[str]:
     """Healthy members waiting outside the current round, oldest first."""
+    world_round = s.world_round
     waiting = [
         n
         for n, m in s.members.items()
-        if n not in world and m.round != s.world_round and n not in health.lost and n not in health.notices
+        if m.round != world_round and n not in world and n not in health.lost and n not in health.notices
         and n not in health.storm
     ]
     return sorted(waiting, key=lambda n: (_joiner_seen(s, n), n))
@@ -242,31 +245,31 @@ def _restart_storms(
 ) -> None:
     window = config.storm_window.total_seconds()
     budget = settings.cordon.budget(s.fleet.hosting_nodes)
-    cordoned = set(s.fleet.cordoned)
-    for node in sorted(s.restarts):
+    cordoned, added = s.fleet.cordoned, set()  # added: cordons this decision asks for
+    k, horizon = config.storm_restarts, now - window
+    # Times are in order: the K-th newest restart decides whether K fall in the window.
+    hot = [node for node, times in s.restarts.items() if len(times) >= k and times[-k] >= horizon]
+    for node in sorted(hot):
         times = s.restarts[node]
-        # Times are in order: the K-th newest restart decides whether K fall in the window.
-        if len(times) < config.storm_restarts or times[-config.storm_restarts] < now - window:
-            continue
         recent = [t for t in times if now - window <= t <= now]
         if len(recent) < config.storm_restarts:
             continue
         health.storm.add(node)
         out.again_in(min(recent) + window - now)
         why = f"{len(recent)} rank restarts within {config.storm_window} (limit {config.storm_restarts}) on node {node}"
-        if node not in cordoned:
-            if len(cordoned) >= budget:
+        if node not in cordoned and node not in added:
+            if len(cordoned) + len(added) >= budget:
                 out.actions.append(
                     PostEvent(
                         ObjectRef("Node", node),
                         "Warning",
                         "CordonBudgetExhausted",
-                        f"{why}; not cordoned: {len(cordoned)} nodes already cordoned, budget {budget}",
+                        f"{why}; not cordoned: {len(cordoned) + len(added)} nodes already cordoned, budget {budget}",
                     )
                 )
                 health.storm.discard(node)
                 continue
-            cordoned.add(node)
+            added.add(node)
             out.actions.append(Cordon(node, why))
             out.actions.append(PostEvent(ObjectRef("Node", node), "Warning", "RestartStorm", f"cordoned: {why}"))
         for pod in pods_on.get(node, ()):
@@ -300,7 +303,7 @@ def _clamp(survivors: Iterable[str], joiners: list[str], max_nodes: int) -> list
 
 def _start(
     s: JobSnapshot,
-    world: set[str],
+    world: frozenset[str],
     joiners: list[str],
     config: JobConfig,
     health: _Health,
@@ -380,7 +383,7 @@ def _begin(
     cause: str,
     planned: bool,
     reason: str,
-    world: set[str],
+    world: frozenset[str],
     target: list[str],
     detected: float,
     settings: ControllerSettings,
@@ -576,21 +579,22 @@ def _status(
 ) -> None:
     alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
     nodes = sorted(nodes)
-    status = JobStatus(
-        state=state,
-        reason=reason,
-        world_size=len(nodes),
-        min_nodes=config.min_nodes if config else 0,
-        max_nodes=config.max_nodes if config else 0,
-        nodes=nodes,
-        alerts=alerts,
-        updated_at=now,
-    )
+    min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
     old = s.status
     # The reason alone changing (counts, phases) is not worth a write per decision.
     if old is None or (old.state, old.world_size, old.min_nodes, old.max_nodes, old.nodes, old.alerts) != (
-        state, status.world_size, status.min_nodes, status.max_nodes, nodes, alerts
+        state, len(nodes), min_nodes, max_nodes, nodes, alerts
     ):
+        status = JobStatus(
+            state=state,
+            reason=reason,
+            world_size=len(nodes),
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            nodes=nodes,
+            alerts=alerts,
+            updated_at=now,
+        )
         out.actions.append(WriteStatus(status))
 
 

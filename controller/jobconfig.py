@@ -226,9 +226,15 @@ def resolve_job_config(pods: Sequence[PodInfo], defaults: JobDefaults) -> Resolv
     problems: list[ConfigProblem] = []
     newest = workers[-1]
     newest_items = config_items(newest.annotations)
+    newest_result = _parse_items(newest_items, defaults)
     for pod in workers:
-        items = newest_items if pod is newest else config_items(pod.annotations)
-        result = _parse_items(items, defaults)
+        # Pods of a job nearly always carry equal annotations: compare whole mappings (in C)
+        # before extracting and parsing their regroup items.
+        if pod is newest or pod.annotations == newest.annotations:
+            items, result = newest_items, newest_result
+        else:
+            items = config_items(pod.annotations)
+            result = _parse_items(items, defaults)
         if not isinstance(result, JobConfig):
             problems.extend(ConfigProblem(pod, name, reason) for name, reason in result)
         elif pod is not newest and items != newest_items:
@@ -243,7 +249,7 @@ def resolve_job_config(pods: Sequence[PodInfo], defaults: JobDefaults) -> Resolv
                             kind="ConfigDisagreement",
                         )
                     )
-    config = _parse_items(newest_items, defaults)
+    config = newest_result
     return ResolvedConfig(
         config if isinstance(config, JobConfig) else None, tuple(problems), newest, rendezvous, workers_by_node
     )

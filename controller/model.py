@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from controller.cluster import NodeInfo, PodInfo
@@ -75,15 +75,12 @@ class JobState:
     pods_view: tuple[PodInfo, ...] | None = None
     """Cached ``tuple(pods.values())``; None after any pod change."""
     resolved: ResolvedConfig | None = None
-    """Cached config resolved from the pods; None after any pod change."""
+    """Cached config resolved from the pods; None after any pod change other than a
+    restart count (the cached pods may then show an older ``restart_count``)."""
     flagged: set[str] | None = None
     """Cached nodes of the job whose member or pod is not plainly healthy (see
-    ``ClusterModel._job_flags``); None after any member, pod or round change."""
-
-    def pods_changed(self) -> None:
-        self.pods_view = None
-        self.resolved = None
-        self.flagged = None
+    ``ClusterModel._job_flags``); None after a round change or a member leaving, updated
+    node by node after a pod change or a member write within the round."""
 
     def empty(self) -> bool:
         return not self.pods and not self.members and self.plan is None and self.progress is None
@@ -250,7 +247,12 @@ class ClusterModel:
         if pod.node is not None:
             self.node_pods.setdefault(pod.node, set()).add(key)
         state.pods[pod.name] = pod
-        state.pods_changed()
+        if old is not None and old.restart_count != pod.restart_count and old == replace(pod, restart_count=old.restart_count):
+            # A container restart changes nothing the resolved config or the flags read:
+            # only the pod list is rebuilt (the storm rule reads ``restarts``, kept below).
+            state.pods_view = None
+        else:
+            self._pod_touched(state, pod.name)
         self.pod_job[key] = job_id
         previous = state.pod_restarts.get(pod.name, pod.restart_count if old is None else 0)
         if pod.restart_count > previous and pod.node is not None:
@@ -267,7 +269,7 @@ class ClusterModel:
             return
         state = self._job(job_id)
         pod = state.pods.pop(name, None)
-        state.pods_changed()
+        self._pod_touched(state, name)
         state.pod_restarts.pop(name, None)
         if pod is not None and pod.node is not None:
             self._unindex(pod.node, key)
@@ -315,7 +317,10 @@ class ClusterModel:
         if parsed is None:
             return
         keys, rest = parsed
-        job_id = (keys.namespace, keys.job)
+        self.job_put((keys.namespace, keys.job), rest, value, revision, wake)
+
+    def job_put(self, job_id: JobId, rest: str, value: bytes | Record, revision: int, wake: bool = True) -> None:
+        """``etcd_put`` for a key already split into its job and the part below the job root."""
         if rest.startswith("rdzv/") and rest != "rdzv/state":
             return
         state = self._job(job_id)
@@ -338,7 +343,12 @@ class ClusterModel:
             state.first_seen.setdefault(signal_key(node, f"member:{member.round}"), now)
             if old is not None and member.restart_count > old.restart_count:
                 self._restarted(state, node, member.restart_count - old.restart_count, now)
+            flagged, round_before = state.flagged, state.world_round
             self._update_world(state, now)
+            if flagged is not None and state.world_round == round_before:
+                # Same round: the round's other nodes read nothing this member changed.
+                state.flagged = flagged
+                self._reflag(state, (node,))
             return True
         if rest == "rdzv/state":
             return self._round_formed(state, value, now)
@@ -521,18 +531,37 @@ class ClusterModel:
         the job's side: member missing or in another round, pod missing, deleting or
         finished, or the node unknown. Over-flagging is harmless (a closer look), missing
         one is not, so anything in doubt is flagged."""
-        flagged = set()
-        pods, world_round = state.pods, state.world_round
-        for node in state.world_seen | state.members.keys():
-            member = state.members.get(node)
-            restarted = member is not None and node in state.world_agents and member.joined_at != state.world_agents[node]
-            if member is None or member.round != world_round or node not in self.nodes or restarted:
+        return {node for node in state.world_seen | state.members.keys() if self._node_flagged(state, node)}
+
+    def _node_flagged(self, state: JobState, node: str) -> bool:
+        """Whether ``_job_flags`` flags ``node``, a node of the job's round or members."""
+        member = state.members.get(node)
+        if member is None or member.round != state.world_round or node not in self.nodes:
+            return True
+        if node in state.world_agents and member.joined_at != state.world_agents[node]:
+            return True
+        if member.pod:
+            pod = state.pods.get(member.pod)
+            return pod is None or pod.deleting or pod.phase in ("Failed", "Succeeded")
+        return False
+
+    def _reflag(self, state: JobState, nodes: Iterable[str]) -> None:
+        """Bring cached flags up to date after a change that concerns only ``nodes``."""
+        flagged = state.flagged
+        if flagged is None:
+            return
+        for node in nodes:
+            if (node in state.members or node in state.world_seen) and self._node_flagged(state, node):
                 flagged.add(node)
-            elif member.pod:
-                pod = pods.get(member.pod)
-                if pod is None or pod.deleting or pod.phase in ("Failed", "Succeeded"):
-                    flagged.add(node)
-        return flagged
+            else:
+                flagged.discard(node)
+
+    def _pod_touched(self, state: JobState, name: str) -> None:
+        """A pod was added, changed or removed: refresh the views that read it."""
+        state.pods_view = None
+        state.resolved = None
+        # Only the members naming this pod can change flags (a scan beats recomputing all).
+        self._reflag(state, [n for n, m in state.members.items() if m.pod == name])
 
     def snapshot(self, job: JobId) -> JobSnapshot:
         """Everything ``decide`` needs about ``job``.
@@ -550,7 +579,9 @@ class ClusterModel:
         if self.nodes_synced and self.pods_synced:
             if state.flagged is None:
                 state.flagged = self._job_flags(state)
-            near = {n for n in self.flagged_nodes if n in state.members or n in state.world_seen}
+            # Intersect from the job's side: the fleet's flagged nodes can be hundreds.
+            near = self.flagged_nodes.intersection(state.members)
+            near.update(self.flagged_nodes & state.world_seen)
             plan = state.plan
             if plan is not None and plan.phase == "done" and plan.round_after == state.world_round:
                 # decide counts a completed plan's nodes in the round even if never seen there.

@@ -98,10 +98,17 @@ class Reconciler:
         self._cordon_lock = asyncio.Lock()
         self._backoff: dict[JobId, float] = {}
         self._gauges: dict[JobId, tuple[object, ...]] = {}
+        self._gauge_children: dict[JobId, tuple[Any, ...]] = {}
+        self._job_keys: dict[JobId, JobKeys] = {}
+        self._cordoned_gauge = -1
 
     async def reconcile(self, job: JobId) -> Outcome:
         now = self.clock()
-        self.metrics.cordoned_nodes.set(len(self.model.cordoned))
+        cordoned = len(self.model.cordoned)
+        if cordoned != self._cordoned_gauge:
+            # Gauge.set takes a lock: only when the count moved.
+            self._cordoned_gauge = cordoned
+            self.metrics.cordoned_nodes.set(cordoned)
         snapshot = self.model.snapshot(job)
         decision = decide(snapshot, now, self.settings)
         if self._reasons.get(job) != decision.reason:
@@ -135,19 +142,21 @@ class Reconciler:
     # --- actions ---------------------------------------------------------------------
 
     async def _apply(self, job: JobId, action: Action, now: float) -> None:
-        keys = JobKeys(job[0], job[1], self.settings.etcd_prefix)
+        keys = self._job_keys.get(job)
+        if keys is None:
+            keys = self._job_keys[job] = JobKeys(job[0], job[1], self.settings.etcd_prefix)
         if isinstance(action, WritePlan):
             await self._write_plan(job, keys, action, now)
         elif isinstance(action, WriteCheckpointRequest):
-            await self._put(keys.checkpoint, action.request)
+            await self._put(job, keys, keys.checkpoint, action.request)
         elif isinstance(action, WriteExpected):
-            await self._put(keys.expected, action.expected)
+            await self._put(job, keys, keys.expected, action.expected)
         elif isinstance(action, WriteReform):
-            await self._put(keys.reform, action.request)
+            await self._put(job, keys, keys.reform, action.request)
         elif isinstance(action, WritePresence):
-            await self._put(keys.controller, action.presence, leased=True)
+            await self._put(job, keys, keys.controller, action.presence, leased=True)
         elif isinstance(action, WriteStatus):
-            await self._put(keys.status, action.status)
+            await self._put(job, keys, keys.status, action.status)
         elif isinstance(action, Cordon):
             await self._cordon(action, now)
         elif isinstance(action, DeletePod):
@@ -156,19 +165,21 @@ class Reconciler:
         elif isinstance(action, PostEvent):
             await self._post_event(action, now)
 
-    async def _put(self, key: str, record: Record, leased: bool = False) -> None:
+    async def _put(self, job: JobId, keys: JobKeys, key: str, record: Record, leased: bool = False) -> None:
+        # Our own writes go into the model by job (no key parsing) and wake no one.
+        rest = key[len(keys.root) :]
         if self.writer is None:
-            self.model.etcd_put(key, record, 0, wake=False)
+            self.model.job_put(job, rest, record, 0, wake=False)
             return
         revision = await self.writer.put(key, record.to_json(), leased=leased)
-        self.model.etcd_put(key, record, revision, wake=False)
+        self.model.job_put(job, rest, record, revision, wake=False)
 
     async def _write_plan(self, job: JobId, keys: JobKeys, action: WritePlan, now: float) -> None:
         if self.writer is None:
             revision = self.model.jobs[job].plan_revision + 1 if job in self.model.jobs else 1
         else:
             revision = await self.writer.compare_and_put(keys.plan, action.plan.to_json(), action.expected_revision)
-        self.model.etcd_put(keys.plan, action.plan, revision, wake=False)
+        self.model.job_put(job, keys.plan[len(keys.root) :], action.plan, revision, wake=False)
         plan = action.plan
         log.info("re-form " + plan.phase, namespace=job[0], job=job[1], generation=plan.generation,
                  cause=plan.cause, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
@@ -223,14 +234,16 @@ class Reconciler:
         if self._gauges.get(job) != values:
             # Label lookups cost more than the decision itself; set only what changed.
             self._gauges[job] = values
-            m, labels = self.metrics, job
-            m.world_size.labels(*labels).set(decision.world_size)
-            m.min_nodes.labels(*labels).set(decision.min_nodes)
-            m.max_nodes.labels(*labels).set(decision.max_nodes)
-            m.stalled.labels(*labels).set(int(a.stalled))
-            m.bad_config.labels(*labels).set(int(a.bad_config))
-            m.flapping.labels(*labels).set(int(a.flapping))
-            m.rendezvous_on_gpu.labels(*labels).set(int(a.rendezvous_on_gpu))
+            children = self._gauge_children.get(job)
+            if children is None:
+                m = self.metrics
+                children = self._gauge_children[job] = tuple(
+                    g.labels(*job)
+                    for g in (m.world_size, m.min_nodes, m.max_nodes, m.stalled, m.bad_config, m.flapping,
+                              m.rendezvous_on_gpu)
+                )
+            for child, value in zip(children, values, strict=True):
+                child.set(int(value))
         state = self.model.jobs.get(job)
         rounds = state.rounds if state is not None else 0
         seen = self._rounds.get(job, 0)

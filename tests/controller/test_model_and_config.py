@@ -267,6 +267,72 @@ def test_the_suspect_index_never_changes_a_decision() -> None:
                 m.etcd_put(KEYS.plan, action.plan, snap.plan_revision + 1)
 
 
+def test_cached_job_views_always_equal_a_fresh_computation() -> None:
+    """Random churn, restart-only pod updates included: the flags and resolved config the
+    model keeps between decisions equal what it would compute from scratch, and so do the
+    decisions made on them."""
+    import dataclasses
+    import json
+    import random
+
+    from controller.decide import decide
+    from controller.snapshot import WritePlan
+
+    rng = random.Random(23)
+    settings = ControllerSettings()
+    clock, dirty = Clock(), []
+    m = ClusterModel(clock, dirty.append)
+    names = [f"n{i}" for i in range(10)]
+    m.nodes_listed([NodeInfo(n) for n in names])
+    m.pods_listed([pod(n, annotations(2, 8)) for n in names[:7]])
+    m.etcd_resynced([(KEYS.member(n), member(n, 1).to_json(), 1) for n in names[:7]])
+    restarts: dict[str, int] = {}
+    formed = 1
+    for step in range(600):
+        clock.now += rng.random()
+        node = rng.choice(names)
+        roll = rng.random()
+        if roll < 0.3:
+            # Mostly a container restart on an unchanged pod; sometimes its phase or deletion too.
+            restarts[node] = restarts.get(node, 0) + 1
+            changed = dataclasses.replace(pod(node, annotations(2, 8)), restart_count=restarts[node])
+            if rng.random() < 0.2:
+                changed = dataclasses.replace(changed, phase=rng.choice(["Running", "Failed"]),
+                                              deleting=rng.random() < 0.5)
+            m.pod_changed(changed)
+        elif roll < 0.4:
+            m.pod_changed(pod(node, annotations(2, rng.choice([8, 9])), created=rng.random()))
+        elif roll < 0.5:
+            m.pod_deleted(NS, f"{JOB}-{node}")
+            restarts.pop(node, None)
+        elif roll < 0.75:
+            record = dataclasses.replace(member(node, rng.choice([formed, formed, formed + 1]), restarts=rng.randrange(4)),
+                                         pod=f"{JOB}-{rng.choice([node, node, rng.choice(names)])}")
+            m.etcd_put(KEYS.member(node), record.to_json(), step + 2)
+        elif roll < 0.85:
+            m.etcd_delete(KEYS.member(node), step + 2)
+        elif roll < 0.9:
+            formed += 1
+            agents = [f"{n}@{rng.choice([0.0, 1.0])}" for n in rng.sample(names, 4)]
+            m.etcd_put(KEYS.root + "rdzv/state", json.dumps({"round": formed, "agents": agents}).encode(), step + 2)
+        else:
+            m.node_changed(NodeInfo(node, ready=rng.choice([True, False])))
+        state = m.jobs[(NS, JOB)]
+        snap = m.snapshot((NS, JOB))
+        assert state.flagged == m._job_flags(state), f"step {step}"
+        fresh = resolve_job_config(snap.pods, settings.jobs)
+        assert (snap.resolved.config, snap.resolved.newest and snap.resolved.newest.name) == (
+            fresh.config, fresh.newest and fresh.newest.name), f"step {step}"
+        assert [(p.pod.name, p.message) for p in snap.resolved.problems] == [
+            (p.pod.name, p.message) for p in fresh.problems], f"step {step}"
+        indexed = decide(snap, clock.now, settings)
+        full = decide(dataclasses.replace(snap, suspects=None, resolved=None), clock.now, settings)
+        assert indexed == full, f"step {step}"
+        for action in indexed.actions:
+            if isinstance(action, WritePlan):
+                m.etcd_put(KEYS.plan, action.plan, snap.plan_revision + 1)
+
+
 def test_plan_and_status_records_roundtrip_and_encode_like_asdict() -> None:
     import dataclasses
     import json
