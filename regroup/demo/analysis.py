@@ -1,0 +1,354 @@
+"""What a recorded run shows: re-forms, lost steps, continuity and goodput.
+
+Pure functions over the files a run leaves (``progress.jsonl``, ``members.jsonl``,
+``events.jsonl``, ``spans.jsonl``, ``run.json``), so the report, the test and the
+benchmark read the same facts from the same records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from regroup.telemetry import read_spans
+from regroup.trace_report import Reform, reforms_from_spans
+
+
+@dataclass(frozen=True)
+class ProgressSample:
+    """One ``progress`` record as the recorder saw it."""
+
+    time: float
+    step: int
+    loss: float
+    world_size: int
+    resumed_from_step: int
+    samples_seen: int = 0
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """A stretch of training from one start (or resume) to the next."""
+
+    resumed_from_step: int
+    samples: tuple[ProgressSample, ...]
+
+    @property
+    def first_step(self) -> int:
+        return self.samples[0].step
+
+    @property
+    def last_step(self) -> int:
+        return self.samples[-1].step
+
+    @property
+    def start(self) -> float:
+        return self.samples[0].time
+
+    @property
+    def end(self) -> float:
+        return self.samples[-1].time
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """Training stopped between two incarnations."""
+
+    stopped_at: float
+    """Time of the last progress before the stop."""
+    resumed_at: float
+    """Time of the first progress after training resumed."""
+    last_step: int
+    resumed_from_step: int
+    """For a stop that never resumed: the newest committed checkpoint, where it would resume."""
+    resumed: bool = True
+    """False when training had not resumed by the end of the run (``resumed_at`` is the end)."""
+
+    @property
+    def lost_steps(self) -> int:
+        return max(0, self.last_step - self.resumed_from_step)
+
+    @property
+    def downtime(self) -> float:
+        return self.resumed_at - self.stopped_at
+
+
+@dataclass(frozen=True)
+class ScriptedEvent:
+    """A scenario event as it happened (or a cluster/controller Event)."""
+
+    time: float
+    source: str
+    """``scenario``, ``cluster`` or ``controller``."""
+    reason: str
+    message: str
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass
+class RunData:
+    """Everything one run recorded."""
+
+    root: Path
+    meta: dict[str, Any]
+    progress: list[ProgressSample]
+    members: list[dict[str, Any]]
+    events: list[ScriptedEvent]
+    spans: list[dict[str, Any]]
+    plans: list[dict[str, Any]]
+
+    @property
+    def mode(self) -> str:
+        return str(self.meta.get("mode", "regroup"))
+
+    @property
+    def started_at(self) -> float:
+        return float(self.meta["started_at"])
+
+    @property
+    def ended_at(self) -> float:
+        return float(self.meta["ended_at"])
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_run(root: Path) -> RunData:
+    """Read a run folder (raises FileNotFoundError naming ``run.json`` if it is not one)."""
+    meta_path = root / "run.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path}: not a demo run folder (no run.json)")
+    meta = json.loads(meta_path.read_text())
+    progress = [
+        ProgressSample(
+            time=float(p.get("time") or p["seen"]),
+            step=int(p["step"]),
+            loss=float(p["loss"]),
+            world_size=int(p["world_size"]),
+            resumed_from_step=int(p.get("resumed_from_step", 0)),
+            samples_seen=int(p.get("samples_seen", 0)),
+        )
+        for p in _jsonl(root / "progress.jsonl")
+    ]
+    progress.sort(key=lambda p: p.time)
+    # Rank 0 publishes again when it holds or stops at a step; a repeat adds no training.
+    progress = [
+        p for i, p in enumerate(progress)
+        if i == 0 or (p.step, p.resumed_from_step) != (progress[i - 1].step, progress[i - 1].resumed_from_step)
+    ]  # fmt: skip
+    events = [
+        ScriptedEvent(
+            time=float(e["time"]),
+            source=str(e["source"]),
+            reason=str(e["reason"]),
+            message=str(e.get("message", "")),
+            nodes=tuple(e.get("nodes", ())),
+        )
+        for e in _jsonl(root / "events.jsonl")
+    ]
+    spans_path = root / "spans.jsonl"
+    spans = read_spans(spans_path) if spans_path.exists() else []
+    return RunData(root, meta, progress, _jsonl(root / "members.jsonl"), events, spans, _jsonl(root / "plans.jsonl"))
+
+
+def incarnations(progress: list[ProgressSample]) -> list[Incarnation]:
+    """Split progress into incarnations: a new one starts when the trainer resumed from a
+    different checkpoint or its step went backwards."""
+    result: list[list[ProgressSample]] = []
+    for sample in progress:
+        current = result[-1] if result else None
+        if (
+            current is None
+            or sample.resumed_from_step != current[-1].resumed_from_step
+            or sample.step < current[-1].step
+        ):
+            result.append([sample])
+        else:
+            result[-1].append(sample)
+    return [Incarnation(group[0].resumed_from_step, tuple(group)) for group in result]
+
+
+def interruptions(progress: list[ProgressSample]) -> list[Interruption]:
+    """Every stop of training, from one incarnation to the next."""
+    parts = incarnations(progress)
+    return [
+        Interruption(
+            stopped_at=before.end,
+            resumed_at=after.start,
+            last_step=before.last_step,
+            resumed_from_step=after.resumed_from_step,
+        )
+        for before, after in itertools.pairwise(parts)
+    ]
+
+
+def run_interruptions(run: RunData) -> list[Interruption]:
+    """``interruptions`` plus, when training was stopped at the end of the run, that stop,
+    counted until the end and with the steps past the newest committed checkpoint lost."""
+    stops = interruptions(run.progress)
+    if not run.progress:
+        return stops
+    last = run.progress[-1]
+    if run.ended_at - last.time > max(3.0, 4 * step_interval(run.progress)):
+        checkpoint = run.meta.get("latest_checkpoint_step")
+        stops.append(
+            Interruption(
+                stopped_at=last.time,
+                resumed_at=run.ended_at,
+                last_step=last.step,
+                resumed_from_step=last.step if checkpoint is None else int(checkpoint),
+                resumed=False,
+            )
+        )
+    return stops
+
+
+def continuity_errors(progress: list[ProgressSample]) -> list[str]:
+    """Why the loss curve is not continuous, or [] when it is.
+
+    Continuous: within an incarnation, steps only go up; each resume starts from a step
+    the run had reached and not from before the previous resume; no step of the final
+    trajectory is missing (each incarnation picks up at or before where the last stopped).
+    """
+    errors = []
+    parts = incarnations(progress)
+    for i, part in enumerate(parts):
+        steps = [s.step for s in part.samples]
+        if any(b < a for a, b in itertools.pairwise(steps)):
+            errors.append(f"incarnation {i}: steps go backwards: {steps}")
+        if part.first_step < part.resumed_from_step:
+            errors.append(f"incarnation {i}: first step {part.first_step} before its checkpoint {part.resumed_from_step}")
+        if i == 0:
+            continue
+        before = parts[i - 1]
+        if part.resumed_from_step > before.last_step:
+            errors.append(
+                f"incarnation {i}: resumed from step {part.resumed_from_step}, "
+                f"but the run had only reached {before.last_step} (steps skipped)"
+            )
+        if part.resumed_from_step < before.resumed_from_step:
+            errors.append(
+                f"incarnation {i}: resumed from step {part.resumed_from_step}, "
+                f"older than the previous resume ({before.resumed_from_step})"
+            )
+    return errors
+
+
+def step_interval(progress: list[ProgressSample]) -> float:
+    """Median seconds per step while training (0 when unknown)."""
+    rates = []
+    for part in incarnations(progress):
+        for a, b in itertools.pairwise(part.samples):
+            if b.step > a.step and b.time > a.time:
+                rates.append((b.time - a.time) / (b.step - a.step))
+    return statistics.median(rates) if rates else 0.0
+
+
+def useful_training_time(progress: list[ProgressSample]) -> float:
+    """Seconds spent computing steps that the final trajectory kept.
+
+    A stretch between two progress samples of one incarnation counts in proportion to its
+    steps that were not lost, i.e. not rolled back by a later resume from an older checkpoint.
+    """
+    parts = incarnations(progress)
+    total = 0.0
+    for i, part in enumerate(parts):
+        # Steps beyond the next incarnation's resume point were redone: they do not count.
+        keep_until = parts[i + 1].resumed_from_step if i + 1 < len(parts) else part.last_step
+        for a, b in itertools.pairwise(part.samples):
+            if b.step <= a.step:
+                continue
+            kept = max(0, min(b.step, keep_until) - a.step)
+            total += (b.time - a.time) * kept / (b.step - a.step)
+    return total
+
+
+def goodput(run: RunData) -> float:
+    """Useful training time over the run's wall time (0..1)."""
+    wall = run.ended_at - run.started_at
+    # Progress carries the trainer's clock, the run's ends the recorder's: never above 1.
+    return min(1.0, useful_training_time(run.progress) / wall) if wall > 0 else 0.0
+
+
+def world_size_timeline(run: RunData) -> list[tuple[float, int]]:
+    """(seconds since start, ranks training): the trainer's world size while progress flows,
+    0 while training is stopped."""
+    gap = max(2.0, 4 * step_interval(run.progress))
+    points: list[tuple[float, int]] = [(0.0, 0)]
+    last: ProgressSample | None = None
+    for sample in run.progress:
+        if last is not None and sample.time - last.time > gap:
+            points.append((last.time - run.started_at + 0.01, 0))
+        points.append((sample.time - run.started_at, sample.world_size))
+        last = sample
+    if last is not None and run.ended_at - last.time > gap:
+        points.append((last.time - run.started_at + 0.01, 0))
+    points.append((run.ended_at - run.started_at, points[-1][1]))
+    return points
+
+
+@dataclass(frozen=True)
+class EventImpact:
+    """What one scripted event cost the job."""
+
+    event: ScriptedEvent
+    reforms: tuple[Reform, ...]
+    """regroup's re-form traces that followed it (before the next scripted event)."""
+    interruptions: tuple[Interruption, ...]
+    """Training stops that followed it (before the next scripted event)."""
+
+    @property
+    def lost_steps(self) -> int:
+        return sum(i.lost_steps for i in self.interruptions)
+
+    @property
+    def downtime(self) -> float:
+        return sum(i.downtime for i in self.interruptions)
+
+
+def run_reforms(run: RunData) -> list[Reform]:
+    """The re-forms decided once training had started (the job's initial formation is not churn)."""
+    return [r for r in reforms_from_spans(run.spans) if r.start + r.phases.get("detect", 0.0) >= run.started_at]
+
+
+def _cause_index(times: list[float], moment: float, slack: float) -> int | None:
+    """Index of the last event at or before ``moment`` (+ slack), or None."""
+    index = None
+    for i, t in enumerate(times):
+        if t <= moment + slack:
+            index = i
+    return index
+
+
+def event_impacts(run: RunData, slack: float = 1.0) -> list[EventImpact]:
+    """Attribute each re-form and interruption to the scripted event it followed.
+
+    ``slack`` covers the last progress sample being a little older than the event that
+    stopped training.
+    """
+    scripted = [e for e in run.events if e.source == "scenario"]
+    times = [e.time for e in scripted]
+    reforms: list[list[Reform]] = [[] for _ in scripted]
+    stops: list[list[Interruption]] = [[] for _ in scripted]
+    for reform in run_reforms(run):
+        # Detection may begin before the event (a joiner seen earlier); the decision follows it.
+        decided = reform.start + reform.phases.get("detect", 0.0)
+        i = _cause_index(times, decided, slack)
+        if i is not None:
+            reforms[i].append(reform)
+    for stop in run_interruptions(run):
+        i = _cause_index(times, stop.stopped_at, slack)
+        if i is not None:
+            stops[i].append(stop)
+    return [EventImpact(e, tuple(r), tuple(s)) for e, r, s in zip(scripted, reforms, stops)]
+
+
+def cordoned_nodes(run: RunData) -> list[str]:
+    return sorted({n for e in run.events if e.reason == "Cordoned" for n in e.nodes})

@@ -1,0 +1,111 @@
+"""``regroup demo``: the whole loop on one machine, with a live view and a report.
+
+    regroup demo                                  # the default scenario, regroup
+    regroup demo --baseline torchrun-c10d         # the same churn on plain torchrun
+    regroup demo --compare                        # both, one report side by side
+    regroup demo --scenario short --duration 90s  # a bundled scenario, overridden
+    regroup demo --report out/RUN [out/RUN2]      # rebuild a report from recorded runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from regroup.demo.scenario import ScenarioError, load_scenario, resolve_scenario_path, with_overrides
+
+BASELINES = ("torchrun-c10d",)
+T = TypeVar("T")
+
+
+async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro``; SIGTERM cancels it like Ctrl-C does, so every local node is stopped."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scenario", default="default", help="scenario YAML file, or a bundled one: default, short (default: default)"
+    )
+    parser.add_argument("--nodes", type=int, help="number of local nodes (overrides the scenario)")
+    parser.add_argument("--duration", help="run length, e.g. 150s or 3m (overrides the scenario)")
+    parser.add_argument("--out", type=Path, default=Path("out"), help="folder for run folders (default: out)")
+    parser.add_argument("--name", help="run folder name (default: <scenario>-<time>)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--baseline", choices=BASELINES, help="play the scenario on plain torchrun instead of regroup")
+    which.add_argument("--compare", action="store_true", help="play it on regroup, then on torchrun-c10d; one report")
+    which.add_argument(
+        "--report", type=Path, nargs="+", metavar="RUN_DIR", help="only rebuild the report of recorded run folders"
+    )
+    parser.add_argument("--no-live", action="store_true", help="print a line a second instead of the live view")
+
+
+def _render(run_dirs: list[Path], report_path: Path) -> int:
+    from regroup.demo.analysis import load_run
+    from regroup.demo.report import build_report, summary_text
+
+    runs = [load_run(d) for d in run_dirs]
+    build_report(runs, report_path)
+    print(summary_text(runs, report_path.resolve()))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.report:
+        try:
+            return _render(list(args.report), args.report[0] / "report.html")
+        except FileNotFoundError as exc:
+            print(f"regroup demo: {exc}", file=sys.stderr)
+            return 2
+    try:
+        scenario = with_overrides(
+            load_scenario(resolve_scenario_path(args.scenario)), nodes=args.nodes, duration=args.duration
+        )
+    except ScenarioError as exc:
+        print(f"regroup demo: {exc}", file=sys.stderr)
+        return 2
+
+    from regroup.demo.nodes import RunLayout
+    from regroup.demo.runner import run_scenario
+    from regroup.telemetry import configure_logging, configure_tracing
+
+    root = args.out / (args.name or f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (root / "run.json").exists():
+        print(f"regroup demo: {root} already holds a run; pick another --name", file=sys.stderr)
+        return 2
+    modes = ["regroup", "torchrun-c10d"] if args.compare else [args.baseline or "regroup"]
+    layouts = [RunLayout(root if i == 0 else root / mode) for i, mode in enumerate(modes)]
+    layouts[0].logs.mkdir(parents=True, exist_ok=True)
+    # Logs go to a file: the terminal belongs to the live view.
+    log_stream = open(layouts[0].logs / "demo.log", "a")  # noqa: SIM115 - closed below
+    configure_logging(stream=log_stream)
+    provider = configure_tracing("regroup-controller", spans_file=str(layouts[modes.index("regroup")].spans)) if "regroup" in modes else None
+    live = False if args.no_live else None
+    try:
+        for mode, layout in zip(modes, layouts):
+            print(f"regroup demo: playing {scenario.name!r} on {mode} ({scenario.duration.total_seconds():.0f}s) in {layout.root}")
+            asyncio.run(_cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("regroup demo: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"regroup demo: {exc} (logs in {layouts[0].logs})", file=sys.stderr)
+        return 1
+    finally:
+        if provider is not None:
+            provider.shutdown()
+        log_stream.close()
+    return _render([layout.root for layout in layouts], root / "report.html")

@@ -1,0 +1,318 @@
+"""The run report: one self-contained HTML file (charts inlined as base64 PNG) and the
+one-screen summary printed at the end of ``regroup demo``.
+
+Given one run it shows that run; given a regroup run and a torchrun-c10d run of the same
+scenario it shows them side by side.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from regroup.demo.analysis import (
+    RunData,
+    continuity_errors,
+    cordoned_nodes,
+    event_impacts,
+    goodput,
+    incarnations,
+    run_interruptions,
+    run_reforms,
+    world_size_timeline,
+)
+from regroup.trace_report import PHASES, format_table
+
+PHASE_COLOURS = {"detect": "#d62728", "checkpoint": "#1f77b4", "rendezvous": "#ff7f0e", "resume": "#2ca02c"}
+RUN_COLOURS = {"regroup": "#1f77b4", "torchrun-c10d": "#7f7f7f"}
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The headline numbers of one run."""
+
+    mode: str
+    wall_s: float
+    final_step: int
+    goodput: float
+    lost_steps: int
+    interruptions: int
+    reforms: int
+    cordoned: tuple[str, ...]
+    continuous: bool
+    reclaim_lost_steps: int | None
+    """Steps lost to the scripted spot reclaims, from progress (None: the scenario has none)."""
+
+
+def summarize(run: RunData) -> RunSummary:
+    reforms = run_reforms(run)
+    stops = run_interruptions(run)
+    reclaims = [i for i in event_impacts(run) if i.event.reason == "reclaim"]
+    return RunSummary(
+        mode=run.mode,
+        wall_s=run.ended_at - run.started_at,
+        final_step=max((p.step for p in run.progress), default=0),
+        goodput=goodput(run),
+        lost_steps=sum(s.lost_steps for s in stops),
+        interruptions=len(stops),
+        reforms=len(reforms),
+        cordoned=tuple(cordoned_nodes(run)),
+        continuous=not continuity_errors(run.progress),
+        reclaim_lost_steps=sum(i.lost_steps for i in reclaims) if reclaims else None,
+    )
+
+
+def _png(fig: plt.Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _label(run: RunData) -> str:
+    return run.mode
+
+
+def world_size_chart(runs: list[RunData]) -> str:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), sharex=True, squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        points = world_size_timeline(run)
+        ax.step([p[0] for p in points], [p[1] for p in points], where="post", color=RUN_COLOURS.get(run.mode, "k"))
+        top = max([p[1] for p in points] + [1])
+        for event in run.events:
+            at = event.time - run.started_at
+            if event.source == "scenario":
+                ax.axvline(at, color="#444", linestyle="--", linewidth=0.8)
+                ax.text(at, top + 0.35, event.reason, rotation=0, fontsize=8, ha="left", va="bottom")
+            elif event.reason == "RankCrashed":
+                ax.plot([at], [0.2], marker="x", color="#d62728")
+            elif event.reason == "Cordoned":
+                ax.plot([at], [top], marker="v", color="#9467bd", markersize=9)
+                ax.text(at, top - 0.5, "cordon", fontsize=8, color="#9467bd")
+        ax.set_ylim(-0.2, top + 1)
+        ax.set_ylabel("ranks training")
+        ax.set_title(_label(run), fontsize=10, loc="left")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds since training started (x: injected rank crash, v: cordon)")
+    return _png(fig)
+
+
+def loss_chart(runs: list[RunData]) -> str:
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    for run in runs:
+        colour = RUN_COLOURS.get(run.mode, "k")
+        labelled = False
+        for i, part in enumerate(incarnations(run.progress)):
+            # The record written at (re)start carries the checkpoint step and no loss yet.
+            measured = [s for s in part.samples if s.step > part.resumed_from_step or s.step == 0 and s.loss > 0]
+            if not measured:
+                continue
+            ax.plot(
+                [s.step for s in measured], [s.loss for s in measured], color=colour, linewidth=1,
+                label=None if labelled else _label(run),
+            )  # fmt: skip
+            labelled = True
+            if i > 0:
+                ax.plot([measured[0].step], [measured[0].loss], "o", color=colour, markersize=3)
+    ax.set_xlabel("step (dots: first step after a resume)")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def reform_latency_chart(run: RunData) -> str | None:
+    reforms = run_reforms(run)
+    if not reforms:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    labels = [f"#{i} {r.cause}\n{r.world_before}->{r.world_after} @{r.start - run.started_at:.0f}s" for i, r in enumerate(reforms, 1)]
+    bottoms = [0.0] * len(reforms)
+    for phase in PHASES:
+        values = [r.phases.get(phase, 0.0) for r in reforms]
+        ax.bar(labels, values, bottom=bottoms, color=PHASE_COLOURS[phase], label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_ylabel("seconds")
+    ax.legend()
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def per_event_chart(runs: list[RunData], metric: str) -> str:
+    """Grouped bars per scripted event: ``lost`` steps or training ``downtime`` seconds."""
+    impacts = {run.mode: event_impacts(run) for run in runs}
+    names = [f"{e.event.reason}\n{', '.join(e.event.nodes)}" for e in impacts[runs[0].mode]]
+    fig, ax = plt.subplots(figsize=(10, 3.0))
+    width = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        values = [
+            (imp.lost_steps if metric == "lost" else imp.downtime) for imp in impacts[run.mode]
+        ]
+        xs = [i + k * width for i in range(len(values))]
+        bars = ax.bar(xs, values, width=width, color=RUN_COLOURS.get(run.mode, "k"), label=_label(run))
+        ax.bar_label(bars, labels=[f"{v:.0f}" if metric == "lost" else f"{v:.1f}" for v in values], fontsize=8)
+    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(names))], names, fontsize=8)
+    ax.set_ylabel("steps lost" if metric == "lost" else "seconds without training")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
+def goodput_chart(runs: list[RunData]) -> str:
+    fig, ax = plt.subplots(figsize=(5, 2.4))
+    values = [goodput(r) * 100 for r in runs]
+    bars = ax.barh([_label(r) for r in runs], values, color=[RUN_COLOURS.get(r.mode, "k") for r in runs])
+    ax.bar_label(bars, labels=[f"{v:.0f}%" for v in values])
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("goodput: useful training time / wall time (%)")
+    return _png(fig)
+
+
+def _img(data: str | None, alt: str) -> str:
+    if data is None:
+        return f"<p><em>{html.escape(alt)}: no data</em></p>"
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _summary_rows(summaries: list[RunSummary]) -> str:
+    rows = [
+        ("wall time", [f"{s.wall_s:.0f} s" for s in summaries]),
+        ("final step", [str(s.final_step) for s in summaries]),
+        ("goodput", [f"{s.goodput:.0%}" for s in summaries]),
+        ("steps lost (all events)", [str(s.lost_steps) for s in summaries]),
+        ("training interruptions", [str(s.interruptions) for s in summaries]),
+        ("re-form traces", [str(s.reforms) for s in summaries]),
+        (
+            "steps lost on the spot reclaim",
+            ["-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps) for s in summaries],
+        ),
+        ("cordoned nodes", [", ".join(s.cordoned) or "none" for s in summaries]),
+        ("loss curve continuous", ["yes" if s.continuous else "NO" for s in summaries]),
+    ]
+    head = "".join(f"<th>{html.escape(s.mode)}</th>" for s in summaries)
+    body = "".join(
+        f"<tr><td>{html.escape(name)}</td>{''.join(f'<td>{html.escape(v)}</td>' for v in values)}</tr>"
+        for name, values in rows
+    )
+    return f"<table><tr><th></th>{head}</tr>{body}</table>"
+
+
+def _impact_table(runs: list[RunData]) -> str:
+    """One row per scripted event: each run's re-forms, seconds without training and lost steps."""
+    impacts = [event_impacts(run) for run in runs]
+    head = "".join(
+        f"<th>{html.escape(r.mode)}: re-forms (total s)</th><th>{html.escape(r.mode)}: s without training</th>"
+        f"<th>{html.escape(r.mode)}: steps lost</th>"
+        for r in runs
+    )
+    rows = []
+    for i, first in enumerate(impacts[0]):
+        cells = [f"<td>{first.event.time - runs[0].started_at:.0f}</td><td>{html.escape(first.event.message)}</td>"]
+        for per_run in impacts:
+            impact = per_run[i] if i < len(per_run) else None
+            if impact is None:
+                cells.append("<td>-</td><td>-</td><td>-</td>")
+                continue
+            reforms = ", ".join(f"{r.cause} {r.duration:.1f}" for r in impact.reforms) or "-"
+            cells.append(f"<td>{html.escape(reforms)}</td><td>{impact.downtime:.1f}</td><td>{impact.lost_steps}</td>")
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    return f"<table><tr><th>t (s)</th><th>event</th>{head}</tr>{''.join(rows)}</table>"
+
+
+def _events_table(run: RunData) -> str:
+    rows = "".join(
+        f"<tr><td>{e.time - run.started_at:.1f}</td><td>{html.escape(e.source)}</td>"
+        f"<td>{html.escape(e.reason)}</td><td>{html.escape(e.message)}</td></tr>"
+        for e in run.events
+    )
+    return f"<table><tr><th>t (s)</th><th>source</th><th>reason</th><th>message</th></tr>{rows}</table>"
+
+
+STYLE = """
+body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:14px}
+th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em;overflow-x:auto;font-size:12px}
+img{max-width:100%}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
+"""
+
+
+def build_report(runs: list[RunData], path: Path) -> Path:
+    """Write the HTML report for one run, or for a regroup run beside its baseline."""
+    summaries = [summarize(r) for r in runs]
+    first = runs[0]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>regroup demo report</title><style>{STYLE}</style></head><body>",
+        f"<h1>regroup demo: {html.escape(str(first.meta.get('scenario', '')))}</h1>",
+        (
+            f"<p>{len(first.meta.get('nodes', []))} local nodes, job min {first.meta.get('min_nodes')} / max "
+            f"{first.meta.get('max_nodes')} nodes, {first.meta.get('nproc_per_node')} rank(s) per node, CPU (gloo).</p>"
+        ),
+        "<h2>Summary</h2>",
+        _summary_rows(summaries),
+        "<h2>World size over time, with the scripted events</h2>",
+        _img(world_size_chart(runs), "world size"),
+        "<h2>Loss vs step, across re-forms</h2>",
+        _img(loss_chart(runs), "loss"),
+    ]
+    for run in runs:
+        if run.spans:
+            parts += [
+                f"<h2>Re-form latency per event ({html.escape(run.mode)}, from the re-form traces)</h2>",
+                "<p>Re-forms decided after training started; the job's initial formation is left out.</p>",
+                _img(reform_latency_chart(run), "re-form latency"),
+                f"<pre>{html.escape(format_table(run_reforms(run), origin=run.started_at))}</pre>",
+            ]
+    parts += [
+        "<h2>Per scripted event</h2>",
+        _impact_table(runs),
+        "<h2>Training downtime per scripted event</h2>",
+        "<p>From the last progress before training stopped to the first progress after it resumed.</p>",
+        _img(per_event_chart(runs, "downtime"), "downtime per event"),
+        "<h2>Lost steps per scripted event</h2>",
+        "<p>Steps trained but rolled back: the step reached minus the checkpoint step resumed from.</p>",
+        _img(per_event_chart(runs, "lost"), "lost steps per event"),
+        "<h2>Goodput</h2>",
+        _img(goodput_chart(runs), "goodput"),
+    ]
+    for run in runs:
+        errors = continuity_errors(run.progress)
+        parts += [f"<h2>Events ({html.escape(run.mode)})</h2>", _events_table(run)]
+        if errors:
+            parts.append("<p><strong>Loss curve not continuous:</strong></p><pre>" + html.escape("\n".join(errors)) + "</pre>")
+        parts.append(f"<p>Run folder: <code>{html.escape(str(run.root))}</code></p>")
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts))
+    return path
+
+
+def summary_text(runs: list[RunData], report: Path) -> str:
+    """The one-screen summary printed when the demo ends."""
+    lines = ["", "regroup demo finished", ""]
+    summaries = [summarize(r) for r in runs]
+    width = max(len(s.mode) for s in summaries) + 2
+    lines.append(f"{'':<36}" + "".join(f"{s.mode:>{width}}" for s in summaries))
+    for name, fmt in (
+        ("wall time (s)", lambda s: f"{s.wall_s:.0f}"),
+        ("final step", lambda s: str(s.final_step)),
+        ("goodput", lambda s: f"{s.goodput:.0%}"),
+        ("steps lost, all events", lambda s: str(s.lost_steps)),
+        ("steps lost on the spot reclaim", lambda s: "-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps)),
+        ("re-form traces", lambda s: str(s.reforms)),
+        ("cordoned", lambda s: ",".join(s.cordoned) or "none"),
+        ("loss curve continuous", lambda s: "yes" if s.continuous else "NO"),
+    ):
+        lines.append(f"  {name:<34}" + "".join(f"{fmt(s):>{width}}" for s in summaries))
+    for run in runs:
+        if run.spans:
+            lines += ["", f"re-forms ({run.mode}):", format_table(run_reforms(run), origin=run.started_at)]
+    lines += ["", f"report: {report}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,385 @@
+"""Plays one scenario on local nodes and records what happened.
+
+One run: a real etcd, the local cluster (one torchrun agent per node), the controller
+(``regroup`` mode) or a standalone c10d store (``torchrun-c10d`` mode), the recorder,
+the scripted churn and the live view, all owned by one asyncio task tree that is torn
+down, processes included, however the run ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from controller.local_cluster import ClusterEvent, LocalCluster
+from regroup.demo.live import LiveSnapshot, LiveView, phase_of
+from regroup.demo.nodes import NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
+from regroup.demo.recorder import JobRecorder
+from regroup.demo.scenario import ChurnEvent, Scenario
+from regroup.etcd import EtcdSettings
+from regroup.etcd_server import EtcdServer, free_port
+from regroup.keys import JobKeys
+from regroup.records import Progress
+
+log = structlog.get_logger("regroup.demo")
+
+CONTROLLER_READY_TIMEOUT = 60.0
+STARTUP_TIMEOUT = 240.0
+"""How long the first training step may take to appear (torch imports on a busy machine)."""
+SETTLE_TIMEOUT = 60.0
+"""How long a scripted event waits at most for the job to train again after the previous one."""
+
+
+def _append(path: Path, body: dict[str, Any]) -> None:
+    with open(path, "a") as out:
+        out.write(json.dumps(body, separators=(",", ":")) + "\n")
+
+
+@dataclass
+class FlakyNode:
+    """A node whose rank crashes once the job trained ``crash_after_steps`` steps past
+    the checkpoint it resumed from, every incarnation (0: as soon as the rank starts)."""
+
+    node: str
+    crash_after_steps: int
+    last_crash: float = 0.0
+    crashes: int = 0
+
+
+@dataclass
+class _Run:
+    scenario: Scenario
+    mode: Mode
+    layout: RunLayout
+    cluster: LocalCluster | None = None
+    recorder: JobRecorder | None = None
+    launched_at: float = 0.0
+    started_at: float = 0.0
+    """When the job first trained: scenario times count from here."""
+    delay: float = 0.0
+    """Seconds the script was pushed back waiting for the job to settle (see ``_settled``)."""
+    flaky: dict[str, FlakyNode] = field(default_factory=dict)
+    recent: list[str] = field(default_factory=list)
+    gone: set[str] = field(default_factory=set)
+
+    def record(self, source: str, reason: str, message: str, nodes: tuple[str, ...] = (), type_: str = "Normal") -> None:
+        now = time.time()
+        _append(
+            self.layout.events,
+            {"time": now, "source": source, "reason": reason, "message": message, "nodes": list(nodes), "type": type_},
+        )
+        at = now - (self.started_at or self.launched_at or now)
+        self.recent = (self.recent + [f"{at:5.1f}s  {source:<10} {reason}: {message}"])[-6:]
+        log.info("event", source=source, reason=reason, message=message, nodes=list(nodes))
+
+    def on_cluster_event(self, event: ClusterEvent) -> None:
+        self.record(event.source, event.reason, event.message, (event.name.removesuffix("-worker"),), event.type)
+
+    def snapshot(self) -> LiveSnapshot:
+        now = time.time()
+        elapsed = now - self.started_at if self.started_at else 0.0
+        if not self.started_at and self.launched_at:
+            upcoming_text = f"waiting for the first training step ({now - self.launched_at:.0f}s since the agents started)"
+        else:
+            upcoming_text = None
+        view = self.recorder.view if self.recorder else None
+        progress = view.progress if view else None
+        script_time = max(0.0, elapsed - self.delay)
+        upcoming = self.scenario.next_event(timedelta(seconds=script_time))
+        next_text = upcoming_text
+        if upcoming is not None and upcoming_text is None:
+            next_text = f"in {upcoming.at.total_seconds() - script_time:3.0f}s: {upcoming.describe()}"
+        return LiveSnapshot(
+            title=f"regroup demo · {self.scenario.name} · {self.mode} · {self.layout.root}",
+            elapsed=elapsed,
+            duration=self.scenario.duration.total_seconds(),
+            step=progress.step if progress else None,
+            # The record written at (re)start carries the checkpoint step and no loss yet.
+            loss=progress.loss if progress and progress.step > progress.resumed_from_step else None,
+            world_size=progress.world_size if progress else None,
+            phase=phase_of(view, now) if view else "starting",
+            next_event=next_text,
+            nodes=tuple((n, self.node_state(n)) for n in self.scenario.nodes),
+            recent=tuple(self.recent),
+        )
+
+    def node_state(self, name: str) -> str:
+        cluster = self.cluster
+        node = cluster.node(name) if cluster else None
+        if node is None:
+            return "gone" if name in self.gone else "-"
+        if node.unschedulable:
+            return "cordoned"
+        notice = next((t for t in node.taints if t.time_added is not None), None)
+        if self.mode == "regroup":
+            members = self.recorder.view.members if self.recorder else {}
+            state = "member" if name in members else "joining"
+        else:
+            # Plain torchrun registers nothing in etcd: all there is to show is a live agent.
+            state = "agent up" if cluster is not None and cluster.agent_pid(name) else "agent down"
+        if notice is not None and notice.value.isdigit():
+            state += f", reclaim in {max(0, int(notice.value) - int(time.time()))}s"
+        if name in self.flaky:
+            state += ", flaky"
+        return state
+
+
+def _settled(run: _Run) -> bool:
+    """The job trains (fresh progress) and no re-form is in flight."""
+    view = run.recorder.view if run.recorder else None
+    if view is None or view.progress is None or time.time() - view.progress_seen_at > 2.0:
+        return False
+    return view.plan is None or view.plan.phase == "done"
+
+
+async def _wait_settled(run: _Run, timeout: float) -> None:
+    """Push the script back until the job settles (at most ``timeout``), so each event's
+    re-form is over before the next one starts on a slow machine too."""
+    started = time.time()
+    while not _settled(run) and time.time() - started < timeout:
+        await asyncio.sleep(0.2)
+    run.delay += time.time() - started
+
+
+async def _play(run: _Run, events: tuple[ChurnEvent, ...]) -> None:
+    """Fire each event at its time; with regroup, never before the previous event's re-form is over."""
+    assert run.cluster is not None
+    for event in events:
+        delay = run.started_at + run.delay + event.at.total_seconds() - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if run.mode == "regroup":
+            # The baseline plays at the scripted times: churn does not wait for a job to recover.
+            await _wait_settled(run, SETTLE_TIMEOUT)
+        run.record("scenario", event.action, event.describe(), event.nodes, "Warning")
+        for node in event.nodes:
+            if event.action == "reclaim":
+                if run.cluster.node(node) is not None:
+                    await run.cluster.reclaim_notice(node, event.taint, event.notice)
+            elif event.action == "lose":
+                if run.cluster.node(node) is not None:
+                    run.gone.add(node)
+                    await run.cluster.remove_node(node, reason="lost abruptly (SIGKILL)")
+            elif event.action == "restore":
+                if run.cluster.node(node) is None:
+                    run.gone.discard(node)
+                    await run.cluster.add_node(node)
+            elif event.action == "flaky":
+                run.flaky[node] = FlakyNode(node, event.crash_after_steps)
+
+
+def _inject_faults(run: _Run, progress: Progress) -> None:
+    """Crash the flaky nodes' ranks once the job is far enough into an incarnation."""
+    now = time.time()
+    for flaky in run.flaky.values():
+        if flaky.crash_after_steps == 0:
+            continue
+        # Only progress written after the last crash counts: it comes from a newer incarnation.
+        if progress.time < flaky.last_crash + 2.0:
+            continue
+        if progress.step - progress.resumed_from_step < flaky.crash_after_steps:
+            continue
+        _crash(run, flaky, now, f"at step {progress.step}")
+
+
+async def _crash_at_start(run: _Run, period: float = 0.1) -> None:
+    """Flaky nodes with ``crash_after_steps: 0`` lose their rank as soon as it appears."""
+    while True:
+        await asyncio.sleep(period)
+        for flaky in run.flaky.values():
+            if flaky.crash_after_steps == 0:
+                _crash(run, flaky, time.time(), "at start")
+
+
+def _crash(run: _Run, flaky: FlakyNode, now: float, when: str) -> None:
+    assert run.cluster is not None
+    if run.cluster.crash_workers(flaky.node):
+        flaky.last_crash = now
+        flaky.crashes += 1
+        run.record(
+            "fault", "RankCrashed", f"{flaky.node}: rank killed {when} (crash #{flaky.crashes})", (flaky.node,), "Warning"
+        )
+
+
+@contextlib.asynccontextmanager
+async def _owned(coro: Any, name: str) -> AsyncIterator[asyncio.Task[Any]]:
+    """A task that is cancelled and awaited when the block ends, however it ends."""
+    task = asyncio.create_task(coro, name=name)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            try:
+                await task
+            except Exception as exc:  # noqa: BLE001 - logged, the run is ending anyway
+                log.error("task failed", task=name, error=repr(exc))
+
+
+async def _start_c10d_store(layout: RunLayout) -> tuple[asyncio.subprocess.Process, str]:
+    port = free_port()
+    log_file = open(layout.logs / "c10d-store.log", "ab")  # noqa: SIM115, ASYNC230 - a local log, closed below
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "regroup.demo.c10d_store", str(port),
+            env=base_env(layout), stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        log_file.close()
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 60)
+    if line.strip() != b"ready":
+        await process.wait()
+        raise RuntimeError(f"c10d store did not start (see {layout.logs / 'c10d-store.log'})")
+    return process, f"127.0.0.1:{port}"
+
+
+async def _stop_process(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 5)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+async def _until(awaitable: Any, vital: list[asyncio.Task[Any]], timeout: float, what: str) -> None:
+    """Await ``awaitable`` for at most ``timeout`` seconds; fail at once if a vital task ends."""
+    waiter = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({waiter, *vital}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+    for task in vital:
+        if task in done:
+            error = task.exception()
+            raise RuntimeError(f"{task.get_name()} stopped while waiting for {what}: {error!r}") from error
+    if waiter not in done:
+        raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {what}")
+
+
+def controller_available() -> bool:
+    """Whether this install has the controller runtime (the slim agent-only install has not)."""
+    return importlib.util.find_spec("controller.runtime") is not None
+
+
+async def _controller(cluster: LocalCluster, etcd: EtcdSettings, ready: asyncio.Event) -> None:
+    # Imported here: the baseline mode runs without the controller.
+    from controller.runtime import run_controller
+    from controller.settings import ControllerSettings
+
+    await run_controller(ControllerSettings(), cluster, cluster, etcd, ready=ready)
+
+
+def _latest_checkpoint(root: Path) -> int | None:
+    # Imported here: it brings torch, which only the end of a run needs.
+    from trainer.checkpoint import latest_committed
+
+    return latest_committed(root) if root.is_dir() else None
+
+
+async def run_scenario(
+    scenario: Scenario, mode: Mode, layout: RunLayout, *, stream: TextIO | None = None, live: bool | None = None
+) -> RunLayout:
+    """Play ``scenario`` in ``mode`` and record it under ``layout``; returns the layout.
+
+    ``live``: draw the live view (None: only on a terminal; False: one line a second).
+    """
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    run = _Run(scenario, mode, layout)
+    etcd = EtcdServer(data_dir=layout.root / "etcd-data", log_path=layout.logs / "etcd.log")
+    await asyncio.to_thread(etcd.start)
+    store: asyncio.subprocess.Process | None = None
+    try:
+        settings = EtcdSettings.from_endpoint_string(etcd.endpoint)
+        keys = JobKeys(NAMESPACE, scenario.job.name)
+        run.recorder = JobRecorder(settings, keys, layout.progress, layout.members, layout.root / "plans.jsonl")
+        rdzv_endpoint = etcd.endpoint
+        if mode == "torchrun-c10d":
+            store, rdzv_endpoint = await _start_c10d_store(layout)
+        config = write_trainer_config(scenario, layout, etcd.endpoint)
+        annotations = {**scenario.job.annotations(), "regroup.dev/rdzv-endpoint": etcd.endpoint}
+        run.cluster = LocalCluster(
+            NAMESPACE, scenario.job.name, annotations,
+            make_launcher(scenario, mode, layout, rdzv_endpoint, config),
+            on_event=run.on_cluster_event,
+        )  # fmt: skip
+        run.recorder.view.progress_listeners.append(lambda p: _inject_faults(run, p))
+        async with contextlib.AsyncExitStack() as stack:
+            # Tasks whose early end (a crash) ends the run with an error instead of a silent stall.
+            vital = [await stack.enter_async_context(_owned(run.recorder.run(), "recorder"))]
+            if mode == "regroup" and not controller_available():
+                run.record("demo", "NoController", "controller.runtime is not installed: agents re-form on their own")
+            elif mode == "regroup":
+                ready = asyncio.Event()
+                controller = await stack.enter_async_context(
+                    _owned(_controller(run.cluster, settings, ready), "controller")
+                )
+                vital.append(controller)
+                await _until(ready.wait(), vital, CONTROLLER_READY_TIMEOUT, "the controller to be ready")
+            stack.push_async_callback(run.cluster.stop)
+            trained = asyncio.Event()
+            run.recorder.view.progress_listeners.append(lambda _: trained.set())
+            run.launched_at = time.time()
+            for node in scenario.nodes:
+                await run.cluster.add_node(node)
+            out = stream or sys.stdout
+            view = LiveView(run.snapshot, stream=out, tty=out.isatty() if live is None else live)
+            await stack.enter_async_context(_owned(view.run(), "live-view"))
+            await _until(trained.wait(), vital, STARTUP_TIMEOUT, "the first training step")
+            run.started_at = time.time()
+            await stack.enter_async_context(_owned(_crash_at_start(run), "faults"))
+            player = await stack.enter_async_context(_owned(_play(run, scenario.events), "scenario"))
+            # The run lasts its duration plus whatever the script was pushed back, and ends
+            # once the last event's re-form is over (or the settle time ran out).
+            while True:
+                remaining = run.started_at + run.delay + scenario.duration.total_seconds() - time.time()
+                if remaining <= 0 and player.done():
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await _until(asyncio.Event().wait(), vital, max(0.5, min(remaining, 1.0)), "the end of the run")
+            if player.exception() is not None:
+                raise RuntimeError(f"the scenario failed: {player.exception()!r}") from player.exception()
+            if mode == "regroup":
+                await _wait_settled(run, SETTLE_TIMEOUT)
+            ended_at = time.time()
+            view.draw()
+    finally:
+        if store is not None:
+            await _stop_process(store)
+        await asyncio.to_thread(etcd.stop)
+    meta = {
+        "mode": mode,
+        "latest_checkpoint_step": await asyncio.to_thread(_latest_checkpoint, layout.checkpoints),
+        "scenario": scenario.name,
+        "job": scenario.job.name,
+        "nodes": list(scenario.nodes),
+        "min_nodes": scenario.job.min_nodes,
+        "max_nodes": scenario.job.max_nodes,
+        "nproc_per_node": scenario.job.nproc_per_node,
+        "duration": scenario.duration.total_seconds(),
+        "launched_at": run.launched_at,
+        "started_at": run.started_at,
+        "ended_at": ended_at,
+        "script_delay": run.delay,
+        "events": [
+            {"at": e.at.total_seconds(), "action": e.action, "nodes": list(e.nodes), "description": e.describe()}
+            for e in scenario.events
+        ],
+        "flaky_crashes": {name: f.crashes for name, f in run.flaky.items()},
+    }
+    layout.meta.write_text(json.dumps(meta, indent=2))
+    return layout

@@ -1,0 +1,103 @@
+"""Builds recorded runs (the files ``regroup demo`` leaves) for tests of the analysis and report.
+
+Spans go through the real OpenTelemetry SDK and regroup's OTLP JSON-lines exporter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from regroup.telemetry import JsonLinesSpanExporter
+
+T0 = 1_700_000_000.0
+
+
+def write_reform_spans(path: Path, reforms: list[dict[str, Any]]) -> None:
+    """Each dict: start (s after T0), cause, before, after, planned, lost, phases {name: seconds}."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
+    tracer = provider.get_tracer("test")
+    for r in reforms:
+        start = T0 + r["start"]
+        end = start + sum(r["phases"].values())
+        root = tracer.start_span(
+            "regroup.reform",
+            start_time=int(start * 1e9),
+            attributes={
+                "regroup.job": "demo",
+                "regroup.cause": r["cause"],
+                "regroup.world_size.before": r["before"],
+                "regroup.world_size.after": r["after"],
+                "regroup.planned": r["planned"],
+                "regroup.lost_steps": r["lost"],
+            },
+        )
+        ctx = trace.set_span_in_context(root)
+        at = start
+        for name, seconds in r["phases"].items():
+            child = tracer.start_span(f"regroup.{name}", context=ctx, start_time=int(at * 1e9))
+            at += seconds
+            child.end(end_time=int(at * 1e9))
+        root.end(end_time=int(end * 1e9))
+    provider.shutdown()
+
+
+def progress_rows(incarnations: list[tuple[int, int, int, float, int]], step_s: float = 0.5) -> list[dict[str, Any]]:
+    """(resumed_from, first_step, last_step, start second, world size) -> progress records."""
+    rows = []
+    for resumed_from, first, last, start, world in incarnations:
+        for i, step in enumerate(range(first, last + 1)):
+            t = T0 + start + i * step_s
+            rows.append(
+                {"seen": t, "time": t, "step": step, "loss": 5.0 / (1 + step / 20), "world_size": world,
+                 "samples_seen": step * 12, "resumed_from_step": resumed_from}
+            )  # fmt: skip
+    return rows
+
+
+def write_run(root: Path, mode: str, progress: list[dict[str, Any]], events: list[dict[str, Any]],
+              duration: float, reforms: list[dict[str, Any]] | None = None,
+              latest_checkpoint_step: int | None = None) -> Path:  # fmt: skip
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "run.json").write_text(
+        json.dumps(
+            {"mode": mode, "scenario": "test", "job": "demo", "nodes": ["node-1", "node-2", "node-3"],
+             "min_nodes": 1, "max_nodes": 3, "nproc_per_node": 1, "duration": duration,
+             "started_at": T0, "ended_at": T0 + duration, "events": [],
+             "latest_checkpoint_step": latest_checkpoint_step}
+        )
+    )  # fmt: skip
+    (root / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
+    (root / "events.jsonl").write_text(
+        "".join(json.dumps({"nodes": [], "type": "Normal", **e, "time": T0 + e["time"]}) + "\n" for e in events)
+    )
+    if reforms:
+        write_reform_spans(root / "spans.jsonl", reforms)
+    return root
+
+
+# A regroup-like run: planned reclaim (no loss), abrupt loss (resume from step 40 after 47),
+# grow, and a cordon.
+REFORMS = [
+    {"start": 10.5, "cause": "reclaim", "before": 3, "after": 2, "planned": True, "lost": 0,
+     "phases": {"detect": 0.1, "checkpoint": 0.8, "rendezvous": 1.5, "resume": 2.0}},
+    {"start": 30.2, "cause": "node-lost", "before": 2, "after": 1, "planned": False, "lost": 7,
+     "phases": {"detect": 0.4, "rendezvous": 1.2, "resume": 2.5}},
+    {"start": 45.0, "cause": "grow", "before": 1, "after": 3, "planned": True, "lost": 0,
+     "phases": {"detect": 3.0, "checkpoint": 0.5, "rendezvous": 1.0, "resume": 2.0}},
+]  # fmt: skip
+INCARNATIONS = [(0, 1, 20, 0.0, 3), (20, 21, 47, 15.0, 2), (40, 41, 60, 35.0, 1), (60, 61, 80, 52.0, 3)]
+EVENTS = [
+    {"time": 10.0, "source": "scenario", "reason": "reclaim", "message": "reclaim notice on node-2", "nodes": ["node-2"]},
+    {"time": 29.0, "source": "scenario", "reason": "lose", "message": "abrupt loss of node-3", "nodes": ["node-3"]},
+    {"time": 44.0, "source": "scenario", "reason": "restore", "message": "node-2, node-3 come back"},
+    {"time": 60.0, "source": "scenario", "reason": "flaky", "message": "node-1 starts crashing"},
+    {"time": 61.0, "source": "fault", "reason": "RankCrashed", "message": "node-1: rank killed"},
+    {"time": 63.0, "source": "cluster", "reason": "Cordoned", "message": "restart storm", "nodes": ["node-1"]},
+]  # fmt: skip

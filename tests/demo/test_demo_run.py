@@ -1,0 +1,97 @@
+"""``regroup demo`` end to end on a shortened scenario: real etcd, torchrun agents, trainers
+and the controller on local nodes. Every fact is read from the recorded progress records,
+the re-form spans and the cluster actions, never from log text."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from regroup.demo.analysis import RunData, continuity_errors, event_impacts, incarnations, load_run
+from regroup.trace_report import reforms_from_spans
+
+# About 2 minutes on an idle 2-core machine; a loaded one stretches the re-forms, and the
+# script waits for each to finish, so the bound is generous.
+DEMO_TIMEOUT = 480
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(DEMO_TIMEOUT + 90)]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> RunData:
+    out = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "regroup.cli", "demo", "--scenario", "short", "--out", str(out), "--name", "run"]
+    demo = subprocess.Popen([*argv, "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = demo.communicate(timeout=DEMO_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        # SIGTERM lets the demo stop its agents, trainers and etcd before it exits.
+        demo.send_signal(signal.SIGTERM)
+        stdout, stderr = demo.communicate(timeout=60)
+        pytest.fail(f"regroup demo did not finish within {DEMO_TIMEOUT}s: {stdout[-2000:]}{stderr[-2000:]}")
+    assert demo.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    run_dir = out / "run"
+    assert (run_dir / "report.html").is_file()
+    assert f"report: {run_dir.resolve() / 'report.html'}" in stdout
+    return load_run(run_dir)
+
+
+def _scripted(run: RunData, action: str) -> float:
+    return next(e.time for e in run.events if e.source == "scenario" and e.reason == action)
+
+
+def test_the_planned_reclaim_loses_no_step(short_run: RunData) -> None:
+    reclaims = [r for r in reforms_from_spans(short_run.spans) if r.cause == "reclaim"]
+    assert reclaims, "no regroup.reform trace for the reclaim"
+    reclaim = reclaims[0]
+    assert reclaim.planned and "checkpoint" in reclaim.phases
+    assert reclaim.world_after == reclaim.world_before - 1
+    # The span says what it lost once its re-form completed (-1: superseded before that).
+    assert reclaim.lost_steps in (0, -1), reclaim
+    impact = next(i for i in event_impacts(short_run) if i.event.reason == "reclaim")
+    assert impact.interruptions and impact.lost_steps == 0
+
+
+def test_training_resumes_after_the_abrupt_loss(short_run: RunData) -> None:
+    lost_at = _scripted(short_run, "lose")
+    restore_at = _scripted(short_run, "restore")
+    assert any(r.cause == "node-lost" and not r.planned for r in reforms_from_spans(short_run.spans))
+    before = max(p.step for p in short_run.progress if p.time < lost_at)
+    after = [p for p in short_run.progress if lost_at < p.time < restore_at]
+    assert after and max(p.step for p in after) > before, "no training step after the loss"
+    assert after[-1].world_size == 1
+
+
+def test_the_job_grows_back_to_full_size(short_run: RunData) -> None:
+    restore_at = _scripted(short_run, "restore")
+    full = len(short_run.meta["nodes"]) * short_run.meta["nproc_per_node"]
+    assert any(p.world_size == full for p in short_run.progress if p.time > restore_at)
+    assert any(r.cause == "grow" and r.world_after == full for r in reforms_from_spans(short_run.spans))
+
+
+def test_the_flaky_node_is_cordoned_and_the_job_trains_on(short_run: RunData) -> None:
+    cordons = [e for e in short_run.events if e.reason == "Cordoned"]
+    flaky = next(e.nodes for e in short_run.events if e.source == "scenario" and e.reason == "flaky")
+    assert [e.nodes for e in cordons] == [flaky]
+    crashes = [e for e in short_run.events if e.reason == "RankCrashed"]
+    assert len(crashes) >= 1
+    cordoned_at = cordons[0].time
+    later = [p for p in short_run.progress if p.time > cordoned_at]
+    assert later and later[-1].step > later[0].step, "no training after the cordon"
+    assert later[-1].world_size == 2
+
+
+def test_the_loss_curve_is_continuous(short_run: RunData) -> None:
+    assert continuity_errors(short_run.progress) == []
+    parts = incarnations(short_run.progress)
+    assert len(parts) >= 4, "the scenario re-forms at least four times"
+    for before, after in itertools.pairwise(parts):
+        # Each incarnation starts exactly at the checkpoint it resumed from, a step the run had reached.
+        assert after.first_step == after.resumed_from_step <= before.last_step
+        steps = [s.step for s in after.samples]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps)

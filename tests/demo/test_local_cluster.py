@@ -1,0 +1,213 @@
+"""The local cluster adapter: nodes are process trees, with Kubernetes' signals."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from controller.cluster import JOB_LABEL, NodeInfo, ObjectRef, PodInfo
+from controller.local_cluster import AgentCommand, LocalCluster
+
+# An "agent" that, like torchrun, starts its worker in a session of its own, then waits.
+# It exits with an error on the attempts listed in argv[3], or cleanly once with "clean".
+AGENT = """
+import os, subprocess, sys, time
+attempt = int(sys.argv[1]); out = sys.argv[2]
+if sys.argv[3] == 'clean':
+    if not os.path.exists(out + '.left'):
+        open(out + '.left', 'w').close()
+        sys.exit(0)
+elif attempt in {int(a) for a in sys.argv[3].split(',') if a}:
+    sys.exit(3)
+worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)
+with open(out, 'a') as f:
+    f.write(f'{attempt} {os.getpid()} {worker.pid}\\n')
+time.sleep(600)
+"""
+
+
+class Sink:
+    """A ClusterSink that remembers the latest view and lets a test await a condition."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeInfo] = {}
+        self.pods: dict[str, PodInfo] = {}
+        self.deleted_nodes: list[str] = []
+        self.deleted_pods: list[str] = []
+        self._changed = asyncio.Event()
+
+    def _poke(self) -> None:
+        self._changed.set()
+
+    def node_changed(self, node: NodeInfo) -> None:
+        self.nodes[node.name] = node
+        self._poke()
+
+    def node_deleted(self, name: str) -> None:
+        self.nodes.pop(name, None)
+        self.deleted_nodes.append(name)
+        self._poke()
+
+    def pod_changed(self, pod: PodInfo) -> None:
+        self.pods[pod.name] = pod
+        self._poke()
+
+    def pod_deleted(self, namespace: str, name: str) -> None:
+        self.pods.pop(name, None)
+        self.deleted_pods.append(name)
+        self._poke()
+
+    def resynced(self, nodes: list[NodeInfo], pods: list[PodInfo]) -> None:
+        self.nodes = {n.name: n for n in nodes}
+        self.pods = {p.name: p for p in pods}
+        self._poke()
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self._changed.clear()
+                await self._changed.wait()
+
+
+def alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def wait_for_lines(path: Path, count: int, timeout: float = 20.0) -> list[list[int]]:
+    """The agent's "started" lines; the agent writes them once, so this polls its file."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count:
+            return [[int(x) for x in line.split()] for line in lines]
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"{path}: fewer than {count} lines after {timeout}s")
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[tuple[LocalCluster, Sink, Path]]:
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    fail_on: dict[str, str] = {"flaky": "0", "leaver": "clean"}
+
+    def launch(node: str, pod: str, attempt: int) -> AgentCommand:
+        argv = [sys.executable, str(script), str(attempt), str(tmp_path / f"{node}.pids"), fail_on.get(node, "")]
+        return AgentCommand(argv, {"PATH": "/usr/bin:/bin"}, tmp_path / f"{node}.log")
+
+    local = LocalCluster(
+        "default", "job-a", {"regroup.dev/min-nodes": "1", "regroup.dev/max-nodes": "2"}, launch,
+        restart_backoff=timedelta(milliseconds=100), stop_grace=timedelta(seconds=2),
+    )  # fmt: skip
+    sink = Sink()
+    source = asyncio.create_task(local.run(sink))
+    try:
+        yield local, sink, tmp_path
+    finally:
+        await local.stop()
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
+
+
+async def test_a_node_brings_a_labelled_pod_with_the_job_annotations(cluster) -> None:
+    local, sink, _ = cluster
+    await local.add_node("node-1")
+    await sink.until(lambda: "node-1-worker" in sink.pods and "node-1" in sink.nodes)
+    pod = sink.pods["node-1-worker"]
+    assert (pod.node, pod.job, pod.labels[JOB_LABEL], pod.namespace) == ("node-1", "job-a", "job-a", "default")
+    assert pod.annotations["regroup.dev/max-nodes"] == "2"
+    assert sink.nodes["node-1"].ready and not sink.nodes["node-1"].unschedulable
+
+
+async def test_node_loss_kills_the_agent_and_its_workers_in_their_own_sessions(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("node-1")
+    [[_, agent, worker]] = await wait_for_lines(tmp / "node-1.pids", 1)
+    assert alive(agent) and alive(worker)
+    await local.remove_node("node-1")
+    await sink.until(lambda: "node-1" in sink.deleted_nodes and "node-1-worker" in sink.deleted_pods)
+    assert not alive(agent)
+    # The worker was in another session; it died too. (An orphan may linger as a zombie of init.)
+    await asyncio.wait_for(_gone(worker), 5)
+    assert local.node("node-1") is None and local.pod_on("node-1") is None
+
+
+async def _gone(pid: int) -> None:
+    while alive(pid):
+        await asyncio.sleep(0.05)
+
+
+async def test_a_failing_agent_restarts_in_place_and_the_pod_counts_it(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("flaky")
+    await sink.until(lambda: sink.pods.get("flaky-worker") is not None and sink.pods["flaky-worker"].restart_count == 1)
+    [[attempt, agent, _]] = await wait_for_lines(tmp / "flaky.pids", 1)
+    assert attempt == 1 and local.agent_pid("flaky") == agent
+    assert sink.pods["flaky-worker"].phase == "Running"
+
+
+async def test_an_agent_that_leaves_cleanly_gets_a_fresh_pod(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("leaver")
+    [[attempt, agent, _]] = await wait_for_lines(tmp / "leaver.pids", 1)
+    assert attempt == 0 and local.agent_pid("leaver") == agent
+    assert "leaver-worker" in sink.deleted_pods, "the finished pod was replaced, not restarted in place"
+    assert sink.pods["leaver-worker"].restart_count == 0
+
+
+async def test_crashing_workers_leaves_the_agent_running(cluster) -> None:
+    local, _, tmp = cluster
+    await local.add_node("node-1")
+    [[_, agent, worker]] = await wait_for_lines(tmp / "node-1.pids", 1)
+    assert local.crash_workers("node-1") == 1
+    await asyncio.wait_for(_gone(worker), 5)
+    assert alive(agent)
+
+
+async def test_cordon_marks_the_node_and_a_deleted_pod_does_not_come_back(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("node-1")
+    [[_, agent, worker]] = await wait_for_lines(tmp / "node-1.pids", 1)
+    await local.cordon("node-1", "3 rank restarts in 2m", "regroup.dev/restart-storm", now=1234.0)
+    await sink.until(lambda: sink.nodes["node-1"].unschedulable)
+    node = sink.nodes["node-1"]
+    assert [t.key for t in node.taints] == ["regroup.dev/restart-storm"]
+    assert "3 rank restarts" in node.annotations["regroup.dev/cordon-reason"]
+    await local.delete_pod("default", "node-1-worker", "restart storm")
+    await sink.until(lambda: "node-1-worker" in sink.deleted_pods)
+    assert not alive(agent)
+    await asyncio.wait_for(_gone(worker), 5)
+    assert local.pod_on("node-1") is None
+    assert [e.reason for e in local.events if e.name == "node-1"][-1] == "Cordoned"
+    await local.post_event(ObjectRef("Node", "node-1"), "Warning", "RestartStorm", "cordoned")
+    assert local.events[-1].reason == "RestartStorm" and local.events[-1].source == "controller"
+
+
+async def test_a_deleted_pod_on_a_schedulable_node_is_replaced(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("node-1")
+    await wait_for_lines(tmp / "node-1.pids", 1)
+    uid = sink.pods["node-1-worker"].uid
+    await local.delete_pod("default", "node-1-worker", "evicted")
+    await sink.until(lambda: "node-1-worker" in sink.pods and sink.pods["node-1-worker"].uid != uid)
+    await wait_for_lines(tmp / "node-1.pids", 2)
+
+
+async def test_a_reclaim_notice_taints_the_node_then_it_dies(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("node-1")
+    [[_, agent, _]] = await wait_for_lines(tmp / "node-1.pids", 1)
+    await local.reclaim_notice("node-1", "aws-node-termination-handler/spot-itn", timedelta(milliseconds=500))
+    await sink.until(lambda: any(t.key == "aws-node-termination-handler/spot-itn" for t in sink.nodes["node-1"].taints))
+    assert alive(agent)
+    await sink.until(lambda: "node-1" in sink.deleted_nodes)
+    assert not alive(agent)
