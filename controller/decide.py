@@ -16,7 +16,7 @@ from datetime import timedelta
 from controller.cluster import ObjectRef, PodInfo
 from controller.jobconfig import JobConfig, resolve_job_config
 from controller.settings import ControllerSettings
-from controller.signals import ReclaimNotice, node_verdict, signal_key
+from controller.signals import ReclaimNotice, member_seen_key, node_verdict, signal_key
 from controller.snapshot import (
     Action,
     Alerts,
@@ -192,7 +192,7 @@ def _joiners(s: JobSnapshot, world: frozenset[str], health: _Health) -> list[str
 
 def _joiner_seen(s: JobSnapshot, node: str) -> float:
     member = s.members[node]
-    return s.first_seen.get(signal_key(node, f"member:{member.round}"), member.joined_at)
+    return s.first_seen.get(member_seen_key(node, member.joined_at, member.round), member.joined_at)
 
 
 def _rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: _Out) -> bool:

@@ -18,7 +18,7 @@ from typing import TypeVar
 from controller.cluster import NodeInfo, PodInfo
 from controller.jobconfig import ResolvedConfig, resolve_job_config
 from controller.settings import JobDefaults
-from controller.signals import NodeVerdict, node_verdict, signal_key
+from controller.signals import NodeVerdict, member_seen_key, node_verdict, signal_key
 from controller.snapshot import FleetView, JobSnapshot
 from regroup.keys import DEFAULT_PREFIX, JobKeys
 from regroup.records import (
@@ -340,7 +340,7 @@ class ClusterModel:
             state.members[node] = member
             self.member_jobs.setdefault(node, set()).add(job_id)
             state.first_seen.pop(signal_key(node, "member-gone"), None)
-            state.first_seen.setdefault(signal_key(node, f"member:{member.round}"), now)
+            state.first_seen.setdefault(member_seen_key(node, member.joined_at, member.round), now)
             if old is not None and member.restart_count > old.restart_count:
                 self._restarted(state, node, member.restart_count - old.restart_count, now)
             flagged, round_before = state.flagged, state.world_round

@@ -155,3 +155,10 @@ def _earlier_end(a: ReclaimNotice, b: ReclaimNotice) -> bool:
 def signal_key(node: str, what: str) -> str:
     """Key under which the model records when it first saw ``what`` on ``node``."""
     return f"{node}\x00{what}"
+
+
+def member_seen_key(node: str, joined_at: float, round_: int) -> str:
+    """Key for when a member was first seen at a round. It includes the agent's
+    registration time: an agent that comes back to the same node announces round 0
+    again, and must not inherit the sighting of the agent before it."""
+    return signal_key(node, f"member:{joined_at!r}:{round_}")

@@ -163,9 +163,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``restart_count`` counts the calls after the first that were not asked for by
         ``num_nodes_waiting()``: torchrun's agent re-enters the rendezvous either because
         this handler reported a membership change, or because its own workers failed
-        (the only other path, and the one that spends one of ``--max-restarts``).
+        (the only other path, and the one that spends one of ``--max-restarts``). Of the
+        agents whose workers failed in one round, only the first back is charged.
         """
-        if self._round and not self._restart_requested:
+        if self._round and not self._restart_requested and self._claim_failure(self._round):
             self._restart_count += 1
         self._restart_requested = False
         attributes = {"regroup.job": self._settings.job.job, "regroup.node": self.node}
@@ -182,6 +183,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 }
             )
             return info
+
+    def _claim_failure(self, round: int) -> bool:
+        try:
+            return self._shared.loop.run(self._keys.claim_failure(round), self._settings.timeouts.close)
+        except (TimeoutError, *ETCD_ERRORS) as exc:
+            # Unsure who failed first: charge this node, as torch's own restart budget does.
+            log.warning("could not record the failed round; counting it here", node=self.node, error=str(exc))
+            return True
 
     def _requested_by(self) -> str:
         """The ``traceparent`` of the controller request this rendezvous answers, if any: the

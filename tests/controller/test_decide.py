@@ -10,7 +10,7 @@ import pytest
 from controller.cluster import NodeInfo
 from controller.decide import decide
 from controller.settings import ControllerSettings
-from controller.signals import RECLAIM_SIGNALS, signal_key
+from controller.signals import RECLAIM_SIGNALS, member_seen_key, signal_key
 from controller.snapshot import (
     Cordon,
     DeletePod,
@@ -148,7 +148,7 @@ def test_grow_gathers_joiners_for_the_join_window_then_checkpoints() -> None:
             members={**s.members, node: member(node, 2)},
             nodes={**s.nodes, node: NodeInfo(node)},
             pods=s.pods + (pod(node, annotations(2, 4, join_window="10s")),),
-            first_seen={**s.first_seen, signal_key(node, "member:2"): T0 + i * 3},
+            first_seen={**s.first_seen, member_seen_key(node, 0.0, 2): T0 + i * 3},
         )
         if i == 0:
             d = decide(s, T0 + 1, S)
@@ -169,7 +169,7 @@ def test_grow_after_window_with_room_left_and_clamped_to_max() -> None:
         members={**s.members, **{n: member(n, 2) for n in joiners}},
         nodes={**s.nodes, **{n: NodeInfo(n) for n in joiners}},
         pods=s.pods + tuple(pod(n, notes) for n in joiners),
-        first_seen={**s.first_seen, **{signal_key(n, "member:2"): T0 + i for i, n in enumerate(joiners)}},
+        first_seen={**s.first_seen, **{member_seen_key(n, 0.0, 2): T0 + i for i, n in enumerate(joiners)}},
     )
     [plan] = of(decide(s, T0 + 5, S).actions, WritePlan)
     assert plan.plan.nodes_after == ["n1", "n2", "n3"]
@@ -324,3 +324,4 @@ def test_the_rendezvous_round_record_completes_the_rendezvous_phase() -> None:
     s, _ = step(dataclasses.replace(s, world_round=2, world_seen=frozenset({"n1", "n2"}),
                                     world_agents={"n1": 0.0, "n2": 0.0}), T0 + 1)
     assert s.plan.phase == "resume" and s.plan.round_after == 2 and s.plan.rendezvous_done_at == T0 + 1
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 from datetime import timedelta
 
@@ -22,6 +24,7 @@ from controller.signals import (
     AWS_NOTICE,
     GKE_NOTICE,
     RECLAIM_SIGNALS,
+    member_seen_key,
     node_verdict,
     signal_key,
 )
@@ -59,7 +62,7 @@ def test_world_round_moves_only_when_a_member_of_the_round_moves() -> None:
     m.etcd_put(KEYS.member("n4"), member("n4", 2).to_json(), 6)
     snap = m.snapshot((NS, JOB))
     assert snap.world_round == 1 and "n4" not in snap.world_seen
-    assert snap.first_seen[signal_key("n4", "member:2")] == T0 + 1
+    assert snap.first_seen[member_seen_key("n4", 0.0, 2)] == T0 + 1
     # A survivor moving to round 2 does; the vanished member stays in the old round's view.
     m.etcd_delete(KEYS.member("n3"), 7)
     m.etcd_put(KEYS.member("n1"), member("n1", 2).to_json(), 8)
@@ -350,3 +353,16 @@ def test_plan_and_status_records_roundtrip_and_encode_like_asdict() -> None:
     for record in (plan, status, progress):
         assert record.to_json() == record_json(record)
         assert type(record).from_json(record.to_json()) == record
+
+
+def test_an_agent_coming_back_to_a_node_is_a_new_joiner_not_an_old_sighting() -> None:
+    m, clock, _ = model()
+    first = dataclasses.replace(member("n4", 0), joined_at=T0)
+    m.etcd_put(KEYS.member("n4"), first.to_json(), 6)
+    m.etcd_delete(KEYS.member("n4"), 7)
+    clock.now += 100
+    again = dataclasses.replace(member("n4", 0), joined_at=T0 + 100)
+    m.etcd_put(KEYS.member("n4"), again.to_json(), 8)
+    snap = m.snapshot((NS, JOB))
+    # The join window of the returning agent starts when it registered, not 100 s ago.
+    assert snap.first_seen[member_seen_key("n4", T0 + 100, 0)] == T0 + 100
