@@ -137,6 +137,21 @@ class Conflict:
 JoinStep = Done | PutJoin | CloseRound | Wait | Excluded | Closed | Conflict
 
 
+def round_abandoned(view: JobView, round: int) -> str:
+    """Why round ``round`` can no longer start ("" while it still can): a newer round
+    formed, or an agent of the round is gone (its member key vanished with its lease),
+    e.g. the node was deleted right after the round closed. Its peers must not wait for
+    that agent's ``MASTER_PORT`` until the store timeout."""
+    state = view.state
+    if state is None or state.round != round:
+        return f"round {round} superseded by round {state.round if state else 0}"
+    alive = view.alive()
+    gone = [node for node, agent in zip(state.nodes, state.agents) if agent not in alive]
+    if gone:
+        return f"agents of round {round} gone: {_names(gone)}"
+    return ""
+
+
 def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds: Bounds) -> JoinStep:
     """Next step of an agent inside ``next_rendezvous``.
 

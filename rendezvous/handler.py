@@ -36,6 +36,7 @@ from regroup.telemetry import context_from_traceparent
 from rendezvous.agent import ETCD_ERRORS, AgentKeys
 from rendezvous.connection import JobConnection
 from rendezvous.decisions import (
+    round_abandoned,
     Bounds,
     Closed,
     CloseRound,
@@ -49,7 +50,7 @@ from rendezvous.decisions import (
     plan_join,
 )
 from rendezvous.settings import RendezvousSettings
-from rendezvous.store import RoundStore, round_prefix
+from rendezvous.store import RoundAbandoned, RoundStore, round_prefix
 
 log = structlog.get_logger("rendezvous")
 
@@ -206,21 +207,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         timeout = self._settings.timeouts.join + timedelta(seconds=5)
         started = time.monotonic()
-        try:
-            number, rank, world_size = self._shared.loop.run(self._rendezvous(), timeout)
-        except ExcludedFromRound as exc:
-            if not self._exit_when_excluded:
-                raise
-            # torch 2.13's launcher turns RendezvousGracefulExitError into an AttributeError
-            # (agent.run() returns None) and exits 1; SystemExit(0) is what it lets through as 0.
-            log.warning(
-                "left out of the next round; exiting", job=self._settings.job.job, node=self.node, reason=str(exc)
+        while True:
+            number, rank, world_size = self._join_round(timeout)
+            prefix = round_prefix(self._settings.job.rdzv, number)
+            store = RoundStore(
+                self._shared.loop,
+                self._shared.connection,
+                prefix,
+                STORE_TIMEOUT,
+                abandoned=lambda n=number: round_abandoned(self.view, n),  # type: ignore[misc]
             )
-            raise SystemExit(0) from exc
-        prefix = round_prefix(self._settings.job.rdzv, number)
-        store = RoundStore(self._shared.loop, self._shared.connection, prefix, STORE_TIMEOUT)
+            try:
+                # Rank 0 publishes MASTER_ADDR/PORT in the round's store; the others wait for it.
+                bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._settings.identity.host)
+                break
+            except RoundAbandoned as exc:
+                log.warning("round abandoned before it started; joining the next", round=number, reason=str(exc))
         self._store = store
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._settings.identity.host)
         log.info(
             "rendezvous complete",
             job=self._settings.job.job,
@@ -232,6 +235,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             seconds=round_s(time.monotonic() - started),
         )
         return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _join_round(self, timeout: timedelta) -> tuple[int, int, int]:
+        try:
+            return self._shared.loop.run(self._rendezvous(), timeout)
+        except ExcludedFromRound as exc:
+            if not self._exit_when_excluded:
+                raise
+            # torch 2.13's launcher turns RendezvousGracefulExitError into an AttributeError
+            # (agent.run() returns None) and exits 1; SystemExit(0) is what it lets through as 0.
+            log.warning(
+                "left out of the next round; exiting", job=self._settings.job.job, node=self.node, reason=str(exc)
+            )
+            raise SystemExit(0) from exc
 
     def is_closed(self) -> bool:
         state = self.view.state

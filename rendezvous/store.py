@@ -14,6 +14,7 @@ no request to etcd; writes return once the mirror has them, so an agent reads it
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -28,14 +29,28 @@ def round_prefix(rdzv_prefix: str, round: int) -> str:
     return f"{rdzv_prefix}rounds/{round:010d}/"
 
 
+class RoundAbandoned(dist.DistStoreError):
+    """The round this store belongs to can no longer start (see ``round_abandoned``)."""
+
+
 class RoundStore(dist.Store):
     """A ``torch.distributed.Store`` whose keys live in etcd, scoped to one round."""
 
-    def __init__(self, loop: LoopThread, connection: JobConnection, prefix: str, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        loop: LoopThread,
+        connection: JobConnection,
+        prefix: str,
+        timeout: timedelta,
+        abandoned: Callable[[], str] = lambda: "",
+    ) -> None:
+        """``abandoned`` says why the round can no longer start ("" while it can); a wait
+        for a key then raises ``RoundAbandoned`` at once instead of running out its timeout."""
         super().__init__()
         self._loop = loop
         self._conn = connection
         self._prefix = prefix
+        self._abandoned = abandoned
         self.set_timeout(timeout)
 
     # -- c10d Store API (called from torchrun's agent thread) ----------------------------------
@@ -92,6 +107,9 @@ class RoundStore(dist.Store):
             values = [watch.store_value(k) for k in full]
             if all(v is not None for v in values):
                 return values  # type: ignore[return-value]
+            reason = self._abandoned()
+            if reason:
+                raise RoundAbandoned(reason)
             if loop.time() >= deadline:
                 return None
             await watch.changed(deadline - loop.time(), since=version)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from datetime import timedelta
 
 import pytest
@@ -19,6 +21,7 @@ from rendezvous.decisions import (
     PutJoin,
     Wait,
     count_waiting,
+    round_abandoned,
     plan_close,
     plan_join,
 )
@@ -180,3 +183,15 @@ def test_settings_refuse_bad_options_naming_them() -> None:
     assert settings.timeouts.join == timedelta(seconds=90)
     assert settings.timeouts.last_call == timedelta(0)
     assert settings.job.member("n7") == "/x/team/job/members/n7"
+
+
+def test_a_round_whose_agent_vanished_or_that_was_superseded_is_abandoned() -> None:
+    state = formed(["a", "b", "c"], round=4)
+    assert round_abandoned(view(["a", "b", "c"], state=state), 4) == ""
+    # c's node was deleted right after the round closed: a and b must not wait for it.
+    assert "gone: c" in round_abandoned(view(["a", "b"], state=state), 4)
+    # A restarted agent on c is a different agent: the round's c is still gone.
+    restarted = dataclasses.replace(view(["a", "b", "c"], state=state), members={
+        "a": member("a"), "b": member("b"), "c": member("c", registered=99.0)})
+    assert "gone: c" in round_abandoned(restarted, 4)
+    assert "superseded by round 5" in round_abandoned(view(["a", "b"], state=formed(["a", "b"], round=5)), 4)
