@@ -106,23 +106,6 @@ class AgentKeys:
         me = self.me
         return JoinRecord(node=me.node, agent=me.agent, round=round, host=me.host, joined_at=time.time()).to_json()
 
-    async def claim_failure(self, round: int) -> bool:
-        """Claim round ``round``'s worker failure for this node; False if another agent was first.
-
-        When one rank crashes, its peers' ranks fail in the collective right after, and every
-        agent re-enters the rendezvous. The first agent back is the one whose workers failed
-        first, so only it is charged a restart (and only its node can be cordoned for a storm).
-        """
-        key = f"{self._settings.job.rdzv}failures/{round:010d}".encode()
-        tx = self.client.transactions
-        lease = self._keeper.lease if self._keeper is not None else None
-        ok, _ = await self.client.transaction(
-            compare=[tx.create(key) == 0],
-            success=[tx.put(key, self.me.node.encode(), lease=lease)],
-            failure=[],
-        )
-        return bool(ok)
-
     async def close_round(self, step: CloseRound) -> tuple[bool, int]:
         """Compare-and-set the round state, dropping the stores of earlier rounds; returns (won, revision)."""
         tx = self.client.transactions

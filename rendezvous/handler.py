@@ -12,6 +12,9 @@ stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this o
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +35,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from regroup.etcd import LoopThread
+from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
 from rendezvous.agent import ETCD_ERRORS, AgentKeys
 from rendezvous.connection import JobConnection
@@ -116,6 +120,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._restart_count = 0
         self._restart_requested = False
         self._store: Store | None = None
+        # Workers (started after this, inheriting the environment) report why they failed here.
+        self._failures = tempfile.mkdtemp(prefix=f"regroup-failures-{settings.identity.node}-")
+        os.environ[FAILURE_DIR_ENV] = self._failures
         self._last_reason = ""
         self._shut = False
 
@@ -165,9 +172,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``num_nodes_waiting()``: torchrun's agent re-enters the rendezvous either because
         this handler reported a membership change, or because its own workers failed
         (the only other path, and the one that spends one of ``--max-restarts``). Of the
-        agents whose workers failed in one round, only the first back is charged.
+        nodes whose workers failed in one round, a node is not charged when its ranks only
+        failed because a peer went away (``regroup.failures``).
         """
-        if self._round and not self._restart_requested and self._claim_failure(self._round):
+        if self._round and not self._restart_requested and charged(take_failures(self._failures)):
             self._restart_count += 1
         self._restart_requested = False
         attributes = {"regroup.job": self._settings.job.job, "regroup.node": self.node}
@@ -184,14 +192,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 }
             )
             return info
-
-    def _claim_failure(self, round: int) -> bool:
-        try:
-            return self._shared.loop.run(self._keys.claim_failure(round), self._settings.timeouts.close)
-        except (TimeoutError, *ETCD_ERRORS) as exc:
-            # Unsure who failed first: charge this node, as torch's own restart budget does.
-            log.warning("could not record the failed round; counting it here", node=self.node, error=str(exc))
-            return True
 
     def _requested_by(self) -> str:
         """The ``traceparent`` of the controller request this rendezvous answers, if any: the
@@ -274,6 +274,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             log.warning("leaving the rendezvous failed; the lease will expire", node=self.node, error=str(exc))
         finally:
             self._store = None
+            shutil.rmtree(self._failures, ignore_errors=True)
             if self._owns_shared:
                 self._shared.close()
             flush = getattr(self._tracer_provider or trace.get_tracer_provider(), "force_flush", None)

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import structlog
 
+from regroup.failures import failure_kind, record_failure
 from regroup.telemetry import configure_logging, configure_tracing
 from trainer.batching import BatchSplitError
 from trainer.config import ConfigError, load_config
@@ -104,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                 final = channel  # the watchdog's last act: the last completed step, briefly
                 stop.on_force(lambda: final.publish_progress(run.last_words(), wait=True, timeout=_LAST_WORDS))
             code = run.run()
-    except Exception:
+    except Exception as exc:
         code = 1
+        record_failure(exc, env)
         try:
-            log.exception("training failed")
+            log.exception("training failed", failure=failure_kind(exc))
         except OSError:
             pass  # stderr gone with the agent
     finally:
