@@ -26,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -401,7 +402,7 @@ async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[
     for obj in _kube_objects(layout):
         api.create(obj)
     await api.start()
-    tmp = Path(f"/tmp/regroup-bench-kubeconfig-{seed}-{time.time_ns()}")
+    tmp = Path(tempfile.gettempdir()) / f"regroup-bench-kubeconfig-{seed}-{time.time_ns()}"
     api.write_kubeconfig(tmp)
     api_client = await load_api_client(tmp)
     h = Harness(workers)
@@ -463,7 +464,7 @@ async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:
     for obj in _kube_objects(layout):
         api.create(obj)
     await api.start()
-    tmp = Path(f"/tmp/regroup-bench-kubeconfig-anchor-{time.time_ns()}")
+    tmp = Path(tempfile.gettempdir()) / f"regroup-bench-kubeconfig-anchor-{time.time_ns()}"
     api.write_kubeconfig(tmp)
     api_client = await load_api_client(tmp)
     raw = RawKube(api_client)

@@ -20,14 +20,14 @@ from trainer.schedule import lr_at
 def test_config_file_overrides_and_env_fill_the_tree(tmp_path: Path) -> None:
     path = tmp_path / "train.yaml"
     path.write_text("batch: {global_batch_size: 24}\ncheckpoint: {dir: /ckpt, every: 2m}\netcd: {}\n")
-    env = {"REGROUP_ETCD_ENDPOINT": "10.0.0.1:2379", "TORCHELASTIC_RUN_ID": "llama", "POD_NAMESPACE": "team-a"}
+    env = {"REGROUP_ETCD_ENDPOINT": "etcd-0.etcd:2379", "TORCHELASTIC_RUN_ID": "llama", "POD_NAMESPACE": "team-a"}
     cfg = load_config(path, ["max_steps=7", "checkpoint.async_save=false"], env)
     assert cfg.batch.global_batch_size == 24
     assert cfg.checkpoint.every == timedelta(minutes=2)
     assert cfg.checkpoint.async_save is False
     assert cfg.max_steps == 7
     assert cfg.etcd is not None
-    assert (cfg.etcd.endpoint, cfg.etcd.job, cfg.etcd.namespace) == ("10.0.0.1:2379", "llama", "team-a")
+    assert (cfg.etcd.endpoint, cfg.etcd.job, cfg.etcd.namespace) == ("etcd-0.etcd:2379", "llama", "team-a")
     assert config_from_dict({}).etcd is None
 
 
