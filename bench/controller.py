@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -393,18 +394,34 @@ class CountingSink:
         return target
 
 
-async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[str, Any]:
-    from controller.kube.api import RawKube, load_api_client
-    from controller.kube.source import KubeSource
+@contextlib.asynccontextmanager
+async def standin(layout: Layout) -> AsyncIterator[tuple[Any, Any]]:
+    """The Kubernetes API stand-in loaded with the cluster, and a real client for it."""
+    from controller.kube.api import load_api_client
     from tests.kubeapi.server import FakeKubeAPI
 
     api = FakeKubeAPI(history_limit=1_000_000)
     for obj in _kube_objects(layout):
         api.create(obj)
     await api.start()
-    tmp = Path(tempfile.gettempdir()) / f"regroup-bench-kubeconfig-{seed}-{time.time_ns()}"
-    api.write_kubeconfig(tmp)
-    api_client = await load_api_client(tmp)
+    with tempfile.TemporaryDirectory(prefix="regroup-bench-") as folder:
+        api_client = await load_api_client(api.write_kubeconfig(Path(folder) / "kubeconfig"))
+        try:
+            yield api, api_client
+        finally:
+            await api_client.close()
+            await api.stop()
+
+
+async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[str, Any]:
+    async with standin(layout) as (api, api_client):
+        return await _run_http(layout, count, seed, workers, api, api_client)
+
+
+async def _run_http(layout: Layout, count: int, seed: int, workers: int, api: Any, api_client: Any) -> dict[str, Any]:
+    from controller.kube.api import RawKube
+    from controller.kube.source import KubeSource
+
     h = Harness(workers)
     seen = 0
     sink = CountingSink(h.model, lambda: None)
@@ -442,9 +459,6 @@ async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[
         source_task.cancel()
         await asyncio.gather(source_task, return_exceptions=True)
         await h.stop()
-        await api_client.close()
-        await api.stop()
-        tmp.unlink(missing_ok=True)
     return summarize("http", len(events), elapsed, h, {
         "initial_list_s": round(list_seconds, 2),
         "standin_writes_s": round(applied, 3),
@@ -457,16 +471,13 @@ async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[
 
 async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:
     """The stand-in alone: the same storm, read by a watch consumer that only decodes lines."""
-    from controller.kube.api import RawKube, load_api_client
-    from tests.kubeapi.server import FakeKubeAPI
+    async with standin(layout) as (api, api_client):
+        return await _run_anchor(layout, count, seed, api, api_client)
 
-    api = FakeKubeAPI(history_limit=1_000_000)
-    for obj in _kube_objects(layout):
-        api.create(obj)
-    await api.start()
-    tmp = Path(tempfile.gettempdir()) / f"regroup-bench-kubeconfig-anchor-{time.time_ns()}"
-    api.write_kubeconfig(tmp)
-    api_client = await load_api_client(tmp)
+
+async def _run_anchor(layout: Layout, count: int, seed: int, api: Any, api_client: Any) -> dict[str, Any]:
+    from controller.kube.api import RawKube
+
     raw = RawKube(api_client)
     seen = 0
 
@@ -498,9 +509,6 @@ async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await api_client.close()
-        await api.stop()
-        tmp.unlink(missing_ok=True)
     return {
         "path": "anchor (stand-in only)",
         "events": expected,

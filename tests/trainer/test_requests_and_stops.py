@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -170,16 +170,16 @@ async def test_checkpoint_request_is_honoured_at_the_next_boundary_acked_held_an
     assert resume["attributes"]["regroup.world_size"] == 1
 
 
-async def test_sigterm_mid_training_exits_promptly_without_a_torn_checkpoint(
-    tmp_path: Path, worker_env: dict[str, str]
-) -> None:
-    ckpt = tmp_path / "ckpt"
-    # An async save after every step: a stop almost always lands with a save in flight.
-    config = write_config(
-        tmp_path / "c.yaml", checkpoint={"dir": str(ckpt), "every_steps": 1, "keep_last": 100}, max_steps=10_000
-    )
+async def sigterm_once(
+    config: Path,
+    env: dict[str, str],
+    until: Callable[[dict[str, Any]], bool],
+    settle: Callable[[], Awaitable[object]] | None = None,
+) -> tuple[float, list[dict[str, Any]]]:
+    """Run a 2-rank job until a log event satisfies ``until`` (then await ``settle``), send
+    the agent SIGTERM, and return how long the job took to stop and its log events."""
     proc = await asyncio.create_subprocess_exec(
-        *torchrun_argv(2, config), env=worker_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        *torchrun_argv(2, config), env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
     reached = asyncio.Event()
     lines: list[str] = []
@@ -187,15 +187,16 @@ async def test_sigterm_mid_training_exits_promptly_without_a_torn_checkpoint(
     async def read_log() -> None:
         assert proc.stderr is not None
         async for raw in proc.stderr:
-            line = raw.decode(errors="replace")
-            lines.append(line)
-            event = _event(line)
-            if event is not None and event.get("event") == "step" and event["step"] >= 6:
+            lines.append(raw.decode(errors="replace"))
+            event = _event(lines[-1])
+            if event is not None and until(event):
                 reached.set()
 
     reader = asyncio.create_task(read_log())
     try:
         await asyncio.wait_for(reached.wait(), 90)
+        if settle is not None:
+            await settle()
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 30)
@@ -207,9 +208,23 @@ async def test_sigterm_mid_training_exits_promptly_without_a_torn_checkpoint(
             await proc.wait()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+    return stopped_in, [e for e in map(_event, lines) if e is not None]
+
+
+async def test_sigterm_mid_training_exits_promptly_without_a_torn_checkpoint(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    # An async save after every step: a stop almost always lands with a save in flight.
+    config = write_config(
+        tmp_path / "c.yaml", checkpoint={"dir": str(ckpt), "every_steps": 1, "keep_last": 100}, max_steps=10_000
+    )
+    stopped_in, events = await sigterm_once(
+        config, worker_env, until=lambda e: e.get("event") == "step" and e["step"] >= 6
+    )
 
     assert stopped_in < 5, f"workers took {stopped_in:.1f}s to stop"
-    stops = [e for e in map(_event, lines) if e is not None and e.get("event") == "stopping"]
+    stops = [e for e in events if e.get("event") == "stopping"]
     assert len(stops) == 2, "both ranks stop at the same agreed boundary"
     assert stops[0]["step"] == stops[1]["step"]
     steps = list_steps(ckpt)
@@ -234,38 +249,15 @@ async def test_sigterm_ends_a_rank_blocked_in_a_collective_and_reports_its_last_
         faults=[{"kind": "hang", "rank": 1, "step": 4}],
         max_steps=10_000,
     )
-    proc = await asyncio.create_subprocess_exec(
-        *torchrun_argv(2, config), env=worker_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    stopped_in, events = await sigterm_once(
+        config,
+        worker_env,
+        until=lambda e: e.get("event") == "fault: hanging before step",
+        settle=lambda: wait_record(etcd_client, keys.progress, Progress, lambda p: p.step == 3),
     )
-    hung = asyncio.Event()
-    lines: list[str] = []
-
-    async def read_log() -> None:
-        assert proc.stderr is not None
-        async for raw in proc.stderr:
-            lines.append(raw.decode(errors="replace"))
-            event = _event(lines[-1])
-            if event is not None and event.get("event") == "fault: hanging before step":
-                hung.set()
-
-    reader = asyncio.create_task(read_log())
-    try:
-        await asyncio.wait_for(hung.wait(), 90)
-        await wait_record(etcd_client, keys.progress, Progress, lambda p: p.step == 3)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 30)
-        stopped_in = time.monotonic() - sent
-        await asyncio.wait_for(reader, 10)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
 
     assert stopped_in < 5, f"workers took {stopped_in:.1f}s to stop"
-    forced = [e for e in map(_event, lines) if e is not None and e.get("event", "").startswith("training loop did not")]
+    forced = [e for e in events if e.get("event", "").startswith("training loop did not")]
     assert len(forced) == 2, "both ranks were ended by their watchdogs"
     final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
     assert (final.step, final.extra["state"]) == (3, "stopped")
