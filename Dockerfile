@@ -3,7 +3,8 @@
 #   docker build --target controller -t regroup-controller:0.1.0 .
 #   docker build --target trainer    -t regroup-trainer:0.1.0 .
 # The controller image is slim Python without torch; the trainer image is a CUDA PyTorch
-# base with regroup installed next to torch, so torchrun always finds --rdzv-backend=etcd-v3.
+# base with regroup installed next to torch: workers launch with regroup-run (torchrun
+# with in-place re-forms), and plain torchrun still finds --rdzv-backend=etcd-v3.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 ARG TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
@@ -58,9 +59,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     USER=regroup
 # The base install only: torch comes from the base image and must stay the CUDA build.
+# The build fails unless the etcd-v3 backend is registered and the workers' launcher,
+# regroup-run, is installed, on PATH and starts against the base image's torch.
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir /wheels/regroup-*.whl \
-    && python -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'etcd-v3' for e in m.entry_points(group='torchrun.handlers')) else 'etcd-v3 rendezvous backend not registered')"
+    && python -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'etcd-v3' for e in m.entry_points(group='torchrun.handlers')) else 'etcd-v3 rendezvous backend not registered')" \
+    && python -c "import importlib.metadata as m, shutil, sys; sys.exit(0 if any(e.name == 'regroup-run' for e in m.entry_points(group='console_scripts')) and shutil.which('regroup-run') else 'regroup-run launcher not installed')" \
+    && regroup-run --help > /dev/null
 COPY --chmod=0755 deploy/topology/topology.py /opt/regroup/bin/regroup-topology
 COPY --chmod=0755 deploy/topology/entrypoint.sh /opt/regroup/bin/regroup-entrypoint
 USER 65532:65532

@@ -539,9 +539,11 @@ def _advance(
         ):
             seen = min(now, s.first_seen.get(signal_key("", "progress"), now))
             lost_steps = max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
+            # Only the trainer's rank 0 knows how its world came to be and where the resume time
+            # went; the plan carries that to the re-form's trace.
             resumed = dataclasses.replace(
                 plan, resumed_at=max(seen, plan.rendezvous_done_at), resumed_from_step=progress.resumed_from_step,
-                lost_steps=lost_steps,
+                lost_steps=lost_steps, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
             )
             return _finish(s, resumed, now, "completed", out, f"resumed from step {progress.resumed_from_step}")
         if lost_targets:

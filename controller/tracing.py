@@ -2,7 +2,9 @@
 
 The spans' start and end times are the plan's recorded moments (signal seen, decision,
 checkpoint request, ack, reform request, round formed, trainer resumed), so the trace
-is the same whichever leader finishes the re-form.
+is the same whichever leader finishes the re-form. The resume span is split further by
+the seconds the trainer's rank 0 reported per resume phase (startup, process group,
+reshard or load, first step).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from controller.trace_ids import span_id
-from regroup.records import ReformPlan
+from regroup.records import Progress, ReformPlan
 
 
 class _FixedIds(IdGenerator):
@@ -49,6 +51,30 @@ def phase_times(plan: ReformPlan) -> dict[str, tuple[float, float]]:
     return phases
 
 
+def resume_phase_times(plan: ReformPlan) -> dict[str, tuple[float, float]]:
+    """(start, end) of each resume sub-phase rank 0 reported, in ``Progress.RESUME_PHASES`` order.
+
+    The trainer reports durations, not moments: they are laid back to back from the resume
+    span's start and clipped to its end, which is when the controller saw the new progress.
+    """
+    window = phase_times(plan).get("resume")
+    if window is None:
+        return {}
+    start, end = window[0], max(window)
+    known = [p for p in Progress.RESUME_PHASES if p in plan.resume_phases]
+    # A newer trainer may report phases this controller does not know: keep them, last.
+    names = known + sorted(set(plan.resume_phases) - set(known))
+    times: dict[str, tuple[float, float]] = {}
+    at = start
+    for name in names:
+        seconds = plan.resume_phases[name]
+        if not isinstance(seconds, int | float):  # the record is JSON from another process
+            continue
+        times[name] = (min(at, end), min(at + max(0.0, seconds), end))
+        at += max(0.0, seconds)
+    return times
+
+
 def reform_end(plan: ReformPlan) -> float:
     return plan.resumed_at if plan.outcome == "completed" and plan.resumed_at else plan.finished_at
 
@@ -77,6 +103,8 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
     }
     if plan.fallback:
         attributes["regroup.fallback"] = plan.fallback
+    if plan.mode:
+        attributes["regroup.reform.mode"] = plan.mode
     root = tracer.start_span("regroup.reform", context=trace.set_span_in_context(trace.INVALID_SPAN),
                              attributes=attributes, start_time=_ns(plan.detected_at))
     parent = trace.set_span_in_context(
@@ -88,7 +116,20 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
                                   attributes={"regroup.job": job, "regroup.generation": plan.generation})
         if phase == "checkpoint" and plan.fallback:
             child.set_status(Status(StatusCode.ERROR, plan.fallback))
+        if phase == "resume":
+            _resume_children(tracer, ids, plan, child, job)
         child.end(end_time=_ns(max(start, end)))
     if plan.outcome != "completed":
         root.set_status(Status(StatusCode.ERROR, plan.outcome))
     root.end(end_time=_ns(max(plan.detected_at, reform_end(plan))))
+
+
+def _resume_children(tracer: Any, ids: _FixedIds, plan: ReformPlan, resume: Any, job: str) -> None:
+    """``regroup.resume.<phase>`` spans under ``resume``, and each phase's reported seconds on it."""
+    parent = trace.set_span_in_context(resume)
+    for phase, (start, end) in resume_phase_times(plan).items():
+        # The reported value, unclipped: the span shows the layout, the attribute the measurement.
+        resume.set_attribute(f"regroup.resume.{phase}_s", float(plan.resume_phases[phase]))
+        ids.span_id = int(span_id(plan.trace_id, f"resume.{phase}"), 16)
+        tracer.start_span(f"regroup.resume.{phase}", context=parent, start_time=_ns(start),
+                          attributes={"regroup.job": job, "regroup.generation": plan.generation}).end(end_time=_ns(end))

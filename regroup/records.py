@@ -172,6 +172,19 @@ class Progress(Record):
     """Step of the checkpoint this incarnation of the trainer resumed from (0: fresh start)."""
     restart_count: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    round: int = 0
+    """Rendezvous round of the world this progress comes from (0: not reported)."""
+    reform_mode: str = ""
+    """How this world came to be: ``in-place`` (the survivors' processes were kept) or
+    ``restart`` (worker processes were started for it); "" unknown or first start."""
+    resume_phases: dict[str, float] = field(default_factory=dict)
+    """Seconds rank 0 spent resuming this world, by phase among ``RESUME_PHASES``; set once
+    the first step at the new size completed."""
+
+    RESUME_PHASES: ClassVar[tuple[str, ...]] = ("startup", "process_group", "reshard", "load", "first_step")
+    """In the order they happen. ``startup`` (restart only): process start until the process
+    group's init begins; ``reshard``: state redistributed in memory; ``load``: state read
+    from a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +232,10 @@ class ReformPlan(Record):
     outcome: str = ""
     """completed, timeout or superseded once ``phase`` is done."""
     finished_at: float = 0.0
+    mode: str = ""
+    """``progress.reform_mode`` of the world the trainer resumed in ("" unknown)."""
+    resume_phases: dict[str, float] = field(default_factory=dict)
+    """``progress.resume_phases`` of that world: where the resume phase's time went."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ class AgentKeys:
             joined_at=time.time(),
         )
         self.me = Me(node=ident.node, agent=agent_id(self.member), host=ident.host)
+        self.not_before = 0.0
+        """Probation: join records ask the round not to count this agent before this time."""
 
     @property
     def registered(self) -> bool:
@@ -104,7 +106,9 @@ class AgentKeys:
 
     def _join_record(self, round: int) -> bytes:
         me = self.me
-        return JoinRecord(node=me.node, agent=me.agent, round=round, host=me.host, joined_at=time.time()).to_json()
+        return JoinRecord(
+            node=me.node, agent=me.agent, round=round, host=me.host, joined_at=time.time(), not_before=self.not_before
+        ).to_json()
 
     async def close_round(self, step: CloseRound) -> tuple[bool, int]:
         """Compare-and-set the round state, dropping the stores of earlier rounds; returns (won, revision)."""

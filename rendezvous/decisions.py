@@ -180,7 +180,7 @@ def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds:
     mine = view.joins.get(me.node)
     if joined_for is None or mine is None or mine.agent != me.agent or mine.round != current + 1:
         return PutJoin(current + 1, "join" if joined_for is None else "refresh join record")
-    ready = _readiness(view, bounds)
+    ready = _readiness(view, bounds, benched(view, now))
     closing = (
         ready.members
         if ready.members is not None
@@ -192,6 +192,11 @@ def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds:
         if now < backup:
             return Wait(f"round {current + 1} ready; {closing[0].node} closes it", until=backup)
     return plan_close(view, now, bounds)
+
+
+def benched(view: JobView, now: float) -> frozenset[str]:
+    """Agents asking for the next round that are still on probation at ``now``."""
+    return frozenset(j.agent for j in view.joins.values() if j.not_before > now)
 
 
 def _joiners(view: JobView, target: int) -> list[JoinRecord]:
@@ -250,14 +255,15 @@ class _Readiness:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def _readiness(view: JobView, bounds: Bounds) -> _Readiness:
-    memo = view.memo.get(bounds)
+def _readiness(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) -> _Readiness:
+    key = (bounds, bench)
+    memo = view.memo.get(key)
     if memo is None:
-        memo = view.memo[bounds] = _assess(view, bounds)
-    return memo
+        memo = view.memo[key] = _assess(view, bounds, bench)
+    return memo  # type: ignore[return-value]
 
 
-def _assess(view: JobView, bounds: Bounds) -> _Readiness:
+def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) -> _Readiness:
     state = view.state
     joiners = view.next_joiners
     joined = view.next_joined
@@ -274,6 +280,13 @@ def _assess(view: JobView, bounds: Bounds) -> _Readiness:
         reason = f"expected membership g{expected.generation}" + (f" ({expected.reason})" if expected.reason else "")
         extra = {"expected_generation": expected.generation, "excluded": sorted(set(left_out))}
         return _Readiness([by_node[n] for n in expected.nodes], reason, extra=extra)
+    if bench:
+        # Nodes on probation neither count as joined nor hold the round up.
+        benched_nodes = {j.node for j in joiners if j.agent in bench}
+        joiners = [j for j in joiners if j.agent not in bench]
+        joined = frozenset(j.node for j in joiners) | benched_nodes
+    else:
+        benched_nodes = set()
     if len(joiners) >= bounds.max_nodes:
         return _Readiness(joiners[: bounds.max_nodes], f"max {bounds.max_nodes} nodes joined")
     if len(joiners) < bounds.min_nodes:
@@ -292,15 +305,21 @@ def _assess(view: JobView, bounds: Bounds) -> _Readiness:
 
 def plan_close(view: JobView, now: float, bounds: Bounds) -> CloseRound | Wait:
     """Close the next round now, or wait (and until when)."""
-    ready = _readiness(view, bounds)
+    bench = benched(view, now)
+    ready = _readiness(view, bounds, bench)
     if ready.members is not None:
         return _round(view, ready.members, now, bounds, ready.reason, **ready.extra)
     if ready.until is not None and now >= ready.until:
-        return _round(view, view.next_joiners, now, bounds, f"last call after {bounds.last_call_s}s")
-    return Wait(ready.reason, until=ready.until)
+        members = [j for j in view.next_joiners if j.agent not in bench]
+        return _round(view, members, now, bounds, f"last call after {bounds.last_call_s}s")
+    until = ready.until
+    if bench:
+        ends = min(j.not_before for j in view.joins.values() if j.agent in bench)
+        until = ends if until is None else min(until, ends)
+    return Wait(ready.reason, until=until)
 
 
-def count_waiting(view: JobView, my_round: int, max_nodes: int) -> tuple[int, str]:
+def count_waiting(view: JobView, my_round: int, max_nodes: int, now: float = 0.0) -> tuple[int, str]:
     """What ``num_nodes_waiting()`` reports for an agent running round ``my_round``, and why.
 
     Non-zero makes torchrun stop the workers and call ``next_rendezvous`` again.
@@ -316,12 +335,22 @@ def count_waiting(view: JobView, my_round: int, max_nodes: int) -> tuple[int, st
     lost = [n for a, n in zip(state.agents, state.nodes) if a not in alive]
     if lost:
         return len(lost), f"member(s) lost: {_names(lost)}"
+    # A member that re-entered the rendezvous (its workers failed and its agent restarts
+    # them) no longer runs this round's ranks: re-form now rather than wait for the
+    # survivors' collectives to fail.
+    rejoining = [
+        n for a, n in zip(state.agents, state.nodes)
+        if (j := view.joins.get(n)) is not None and j.agent == a and j.round == my_round + 1
+    ]
+    if rejoining:
+        return len(rejoining), f"member(s) re-entering the rendezvous: {_names(rejoining)}"
     if not view.controller and len(state.agents) < max_nodes:
         current = set(state.agents)
         waiting = [
             j.node
             for j in view.joins.values()
             if j.round == my_round + 1 and j.agent not in current and alive.get(j.agent) == j.node
+            and j.not_before <= now
         ]
         if waiting:
             return len(waiting), f"node(s) waiting to join: {_names(sorted(waiting))}"

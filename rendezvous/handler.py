@@ -41,6 +41,7 @@ from rendezvous.agent import ETCD_ERRORS, AgentKeys
 from rendezvous.connection import JobConnection
 from rendezvous.decisions import (
     round_abandoned,
+    usable_expected,
     Bounds,
     Closed,
     CloseRound,
@@ -125,6 +126,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         os.environ[FAILURE_DIR_ENV] = self._failures
         self._last_reason = ""
         self._shut = False
+        self._traceparent = ""
+        self._probation: timedelta | None = None
 
     # -- RendezvousHandler --------------------------------------------------------------
 
@@ -162,6 +165,27 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Rounds this agent re-entered because its own workers failed (see ``next_rendezvous``)."""
         return self._restart_count
 
+    @property
+    def traceparent(self) -> str:
+        """The ``traceparent`` of the controller request the last round answered ("" if none)."""
+        return self._traceparent
+
+    def left_out(self) -> bool:
+        """The controller's next expected membership leaves this node out (it is leaving)."""
+        expected = usable_expected(self.view, self._bounds)
+        return expected is not None and self.node not in expected.nodes
+
+    def abandon_round(self) -> None:
+        """The round just joined cannot start (an agent of it vanished before the workers'
+        ranks were assigned): the next ``next_rendezvous`` joins a newer one, and it is a
+        membership change, not a restart of this node's workers."""
+        self._restart_requested = True
+
+    def enable_in_place(self, probation: timedelta = timedelta(seconds=5)) -> None:
+        """Called by the in-place agent: after this node's own workers fail, its next join
+        waits out ``probation`` while the others re-form without it and train on."""
+        self._probation = probation
+
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and return this agent's rank, the world size and a fresh store.
 
@@ -177,7 +201,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._round and not self._restart_requested and charged(take_failures(self._failures)):
             self._restart_count += 1
+            if self._probation is not None:
+                self._keys.not_before = time.time() + self._probation.total_seconds()
+                log.info("own workers failed; on probation before rejoining", node=self.node,
+                         seconds=self._probation.total_seconds())
         self._restart_requested = False
+        self._traceparent = self._requested_by()
         attributes = {"regroup.job": self._settings.job.job, "regroup.node": self.node}
         with self._tracer.start_as_current_span(
             "regroup.rendezvous.join", context=context_from_traceparent(self._requested_by()), attributes=attributes
@@ -257,7 +286,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
 
     def num_nodes_waiting(self) -> int:
-        waiting, reason = count_waiting(self.view, self._round, self._settings.max_nodes)
+        waiting, reason = count_waiting(self.view, self._round, self._settings.max_nodes, time.time())
         if waiting:
             if not self._restart_requested:
                 log.info("re-forming", job=self._settings.job.job, node=self.node, round=self._round, reason=reason)

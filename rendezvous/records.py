@@ -65,3 +65,6 @@ class JoinRecord(Record):
     round: int
     host: str
     joined_at: float
+    not_before: float = 0.0
+    """Unix time before which the round does not wait for or count this agent: it is on
+    probation after its own workers failed (in-place jobs train on without it meanwhile)."""

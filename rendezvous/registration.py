@@ -68,9 +68,11 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
 def _torchrun_local_world_size(argv: list[str]) -> int:
     """Workers per node as torchrun computes them, when this process is torchrun; else 0.
 
-    torch hands the handler no ``--nproc-per-node``; the member record still wants it.
+    torch hands the handler no ``--nproc-per-node``; the member record still wants it
+    (the controller counts the ranks a round will have from it).
     """
-    if not argv or not (argv[0].endswith("torchrun") or argv[0].endswith("distributed/run.py")):
+    launchers = ("torchrun", "distributed/run.py", "regroup-run", "inplace/launcher.py")
+    if not argv or not argv[0].endswith(launchers):
         return 0
     try:
         from torch.distributed.run import determine_local_world_size, get_args_parser

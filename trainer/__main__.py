@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import structlog
@@ -65,6 +66,7 @@ class LineAtomicStderr:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     env = dict(os.environ)
     configure_logging(stream=LineAtomicStderr())
@@ -78,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Imported after the config is known good: torch takes seconds to import.
+    from rendezvous.inplace.world import ElasticWorld, ReformFailed
     from trainer.control import JobChannel
-    from trainer.distributed import init_runtime
+    from trainer.distributed import backend_for, pick_device, runtime_on_default_group
     from trainer.loop import RunInfo, TrainingRun
 
     stop = StopSignal()
@@ -88,14 +91,41 @@ def main(argv: list[str] | None = None) -> int:
     provider = configure_tracing("regroup-trainer") if rank == 0 else None
     channel: JobChannel | None = None
     code = 1
+    world = None
     try:
-        runtime = init_runtime(env, cfg.device, timeout=timedelta(minutes=10))
+        device = pick_device(cfg.device, int(env.get("LOCAL_RANK", "0")))
+        startup_s = time.perf_counter() - started
+        timeout = timedelta(minutes=10)
+        # Under regroup-run this process may outlive its world (ElasticWorld); under plain
+        # torchrun it is init_process_group from the environment.
+        world = ElasticWorld.join(
+            backend_for(device),
+            timeout=timeout,
+            abort_grace=cfg.reform.abort_grace,
+            keep_ports=etcd_ports(cfg),
+            env=env,
+            stop=lambda: stop.requested,
+        )
+        structlog.contextvars.bind_contextvars(rank=world.rank)
+        built = time.perf_counter()
+        runtime = runtime_on_default_group(world.local_rank, device, timeout)
+        process_group_s = world.last_process_group_s + time.perf_counter() - built
+
+        def open_channel() -> JobChannel:
+            assert cfg.etcd is not None
+            opened = JobChannel(cfg.etcd)
+            opened.start()
+            return opened
+
         if cfg.etcd is not None and runtime.rank == 0:
-            channel = JobChannel(cfg.etcd)
-            channel.start()
+            channel = open_channel()
         info = RunInfo(restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
         try:
-            run = TrainingRun(cfg, runtime, info, stop, channel)
+            run = TrainingRun(
+                cfg, runtime, info, stop, channel, world=world, open_channel=open_channel if cfg.etcd else None
+            )
+            run.change.add("startup", startup_s)
+            run.change.add("process_group", process_group_s)
         except BatchSplitError as exc:
             log.error("bad configuration", error=str(exc))
             print(f"regroup-train: {exc}", file=sys.stderr)
@@ -105,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                 final = channel  # the watchdog's last act: the last completed step, briefly
                 stop.on_force(lambda: final.publish_progress(run.last_words(), wait=True, timeout=_LAST_WORDS))
             code = run.run()
+            channel = run.channel
+    except ReformFailed as exc:
+        # Not this node's fault: its agent restarts this worker the usual way (the fallback).
+        code = 1
+        record_failure(RuntimeError(f"Connection closed by peer: in-place re-form failed: {exc}"), env)
+        log.error("in-place re-form failed; falling back to a restart", error=str(exc))
     except Exception as exc:
         code = 1
         record_failure(exc, env)
@@ -114,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             pass  # stderr gone with the agent
     finally:
         try:
+            if world is not None:
+                world.close()
             if channel is not None:
                 channel.close()
             if provider is not None:
@@ -122,6 +160,19 @@ def main(argv: list[str] | None = None) -> int:
             # Exit without joining gloo/DCP threads or tearing down groups whose peers may be gone.
             hard_exit(code)
     return code
+
+
+def etcd_ports(cfg: object) -> list[int]:
+    """Ports of the job's etcd endpoints: connections to them survive a re-form."""
+    etcd = getattr(cfg, "etcd", None)
+    if etcd is None:
+        return []
+    ports = []
+    for endpoint in etcd.endpoint.split(","):
+        _, _, port = endpoint.strip().rpartition(":")
+        if port.isdigit():
+            ports.append(int(port))
+    return ports
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The step-boundary agreement: one tiny all-reduce per step.
 
-Every rank contributes its stop flag and local loss; rank 0 alone contributes the
-checkpoint-request generation it saw and whether a timed save is due (its clock
-decides, so ranks never disagree). One SUM all-reduce of four float64 numbers gives
-every rank the same decision; with nothing pending nothing else happens.
+Every rank contributes its stop flag, whether its agent announced an in-place re-form,
+and its local loss; rank 0 alone contributes the checkpoint-request generation it saw
+and whether a timed save is due (its clock decides, so ranks never disagree). One SUM
+all-reduce of five float64 numbers gives every rank the same decision; with nothing
+pending nothing else happens.
 """
 
 from __future__ import annotations
@@ -26,12 +27,21 @@ class Boundary:
     """The periodic time trigger fired on rank 0."""
     loss: float
     """Mean of the ranks' losses (equal shares of the global batch: the global mean)."""
+    reform: bool = False
+    """Some rank's agent announced an in-place re-form: every rank leaves the world here."""
 
 
 def agree(
-    group: dist.ProcessGroup, world_size: int, *, generation: int, stop: bool, save_due: bool, loss: float
+    group: dist.ProcessGroup,
+    world_size: int,
+    *,
+    generation: int,
+    stop: bool,
+    save_due: bool,
+    loss: float,
+    reform: bool = False,
 ) -> Boundary:
-    values = torch.tensor([float(generation), float(stop), float(save_due), loss], dtype=torch.float64)
+    values = torch.tensor([float(generation), float(stop), float(save_due), loss, float(reform)], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-    generation_sum, stop_sum, due_sum, loss_sum = values.tolist()
-    return Boundary(int(generation_sum), stop_sum > 0, due_sum > 0, loss_sum / world_size)
+    generation_sum, stop_sum, due_sum, loss_sum, reform_sum = values.tolist()
+    return Boundary(int(generation_sum), stop_sum > 0, due_sum > 0, loss_sum / world_size, reform_sum > 0)

@@ -223,6 +223,12 @@ class Checkpointer:
             )
         return self._stager
 
+    def close(self) -> None:
+        """Release the stager's thread and buffers (the world this checkpointer served is gone)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
     def prepare(self) -> None:
         """At start, rank 0 removes torn folders left by earlier incarnations."""
         if self.runtime.rank == 0:

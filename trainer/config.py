@@ -214,14 +214,35 @@ class EtcdConfig:
 
 
 @dataclass(frozen=True)
+class ReformConfig:
+    """In-place re-forms (under ``regroup-run``): how a surviving process changes world."""
+
+    in_memory: bool = True
+    """Rebuild the sharding from the survivors' memory when they hold every old rank's
+    shards at one agreed step (grows; planned shrinks, whose leaving ranks hand theirs over);
+    False: always load the newest committed checkpoint."""
+    abort_grace: timedelta = timedelta(seconds=1)
+    """After a re-form is announced, how long a rank may stay inside a collective (a peer is
+    dead or hung) before its process group's connections are cut so the call fails."""
+    wait: timedelta = timedelta(minutes=5)
+    """How long a survivor waits for its next world; past it, it exits and its agent
+    restarts it (the restart path)."""
+
+    def __post_init__(self) -> None:
+        if self.wait <= timedelta(0):
+            raise ConfigError("reform.wait: must be > 0")
+
+
+@dataclass(frozen=True)
 class Fault:
     """An injected failure at a (rank, step), for tests of the recovery paths."""
 
-    kind: Literal["crash", "hang", "kill_during_save"]
+    kind: Literal["crash", "hang", "kill_during_save", "refuse_reform"]
     """``crash``: the rank fails before training step ``step``; ``hang``: it stops making
     progress there (a stuck host), leaving its peers blocked in a collective;
     ``kill_during_save``: it is SIGKILLed after writing its shard of the checkpoint of step
-    ``step``, before that checkpoint is committed."""
+    ``step``, before that checkpoint is committed; ``refuse_reform``: its first in-place
+    re-form at or after step ``step`` fails, so its agent restarts it (the fallback path)."""
     rank: int
     """Global rank that fails."""
     step: int
@@ -241,6 +262,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     etcd: EtcdConfig | None = None
     """Set to talk to the job's etcd keys (also enabled by env REGROUP_ETCD_ENDPOINT)."""
+    reform: ReformConfig = field(default_factory=ReformConfig)
     max_steps: int = 100
     """Stop after this many optimizer steps (counted across restarts)."""
     seed: int = 0

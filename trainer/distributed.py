@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer.config import ModelConfig
+from trainer.reshard import forget_old_meshes
 from trainer.model import Decoder
 
 
@@ -46,18 +47,32 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def backend_for(device: torch.device) -> str:
+    # CPU collectives must exist on CUDA too: async DCP save and the agreement run on gloo.
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_runtime(env: Mapping[str, str], device_preference: str, timeout: timedelta) -> Runtime:
     """Initialise the default process group from torchrun's env (or a world of one)."""
     rank = int(env.get("RANK", "0"))
     world_size = int(env.get("WORLD_SIZE", "1"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
     device = pick_device(device_preference, local_rank)
-    # CPU collectives must exist on CUDA too: async DCP save and the agreement run on gloo.
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     if "MASTER_ADDR" in env:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return runtime_on_default_group(local_rank, device, timeout)
+
+
+def runtime_on_default_group(local_rank: int, device: torch.device, timeout: timedelta) -> Runtime:
+    """The mesh and side groups over the current default process group (after a first
+    ``init_process_group`` or an in-place re-form)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # DTensor caches sharding specs by mesh, and equal meshes of an earlier world carry this
+    # process's old coordinate (torch 2.13): forget them before sharding anew.
+    forget_old_meshes()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
     control_group = dist.new_group(backend="gloo", timeout=timeout)

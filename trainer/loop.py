@@ -1,8 +1,13 @@
 """The training loop: resume, train with a constant global batch, checkpoint, answer requests.
 
 One ``TrainingRun`` per process. Each step ends at a boundary where all ranks agree
-(one tiny all-reduce) on a pending checkpoint request, a stop, and the timed save;
-everything else at the boundary follows from that agreement.
+(one tiny all-reduce) on a pending checkpoint request, a stop, the timed save and an
+announced in-place re-form; everything else at the boundary follows from that agreement.
+
+Under ``regroup-run`` the process outlives its world: on a re-form it leaves the process
+group (at the agreed boundary, or when a collective failed because a peer went away),
+forms the next one through ``ElasticWorld``, rebuilds what depends on the world (batch
+plan, FSDP2 sharding, optimizer, checkpointer) and restores the state, then trains on.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -29,15 +35,25 @@ from trainer.checkpoint import AppState, Checkpointer, TrainerState, checkpoint_
 from trainer.config import TrainConfig
 from trainer.control import JobChannel, pending_generation
 from trainer.data import batch, make_source
-from trainer.distributed import Runtime, build_sharded_model
+from trainer.distributed import Runtime, build_sharded_model, runtime_on_default_group
 from trainer.model import count_parameters
 from trainer.schedule import lr_at
 from trainer.stopping import StopSignal, exit_code
+from trainer.handoff import hand_off
+from trainer.reshard import HeldState, hold_state, redistribute
+from trainer.world_change import WorldChange
+from rendezvous.inplace.world import Interrupted, ReformFailed
+
+if TYPE_CHECKING:
+    from rendezvous.inplace.world import ElasticWorld
 
 log = structlog.get_logger("regroup.trainer")
 
 # Poll period while holding at a boundary for the re-form (one tiny collective each).
 _HOLD_POLL_S = 0.2
+# How long a rank at the agreed boundary waits for its own agent's announcement (which says
+# whether its node is leaving): agents announce within one monitor interval of each other.
+_ANNOUNCE_WAIT = timedelta(seconds=2)
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,8 @@ class RunInfo:
 
     restart_count: int = 0
     """torchrun's TORCHELASTIC_RESTART_COUNT."""
+    started_at: float = 0.0
+    """``time.perf_counter()`` when the process entered ``main`` (0: unknown)."""
 
 
 @dataclass
@@ -66,33 +84,59 @@ class TrainingRun:
     """One incarnation of the trainer on one rank: build, resume, train, checkpoint, stop."""
 
     def __init__(
-        self, cfg: TrainConfig, runtime: Runtime, info: RunInfo, stop: StopSignal, channel: JobChannel | None
+        self,
+        cfg: TrainConfig,
+        runtime: Runtime,
+        info: RunInfo,
+        stop: StopSignal,
+        channel: JobChannel | None,
+        world: ElasticWorld | None = None,
+        open_channel: Callable[[], JobChannel] | None = None,
     ) -> None:
+        """``world``: the in-place membership (None: this process ends with its world).
+        ``open_channel``: how a process that becomes rank 0 after a re-form opens its channel."""
         self.cfg = cfg
-        self.rt = runtime
         self.info = info
         self.stop = stop
-        self.channel = channel if runtime.rank == 0 else None
+        self.world = world
+        self._open_channel = open_channel
         self.tracer = trace.get_tracer("regroup.trainer")
         self.counters = Counters()
+        self.source = make_source(cfg.data, cfg.model)
+        self.state = TrainerState()
+        self.resumed_from = 0
+        self.last_loss = float("nan")
+        self.tokens_per_s = 0.0
+        self.change = WorldChange(mode="restart" if info.restart_count else "")
+        """How the current world came to be, and what resuming in it cost."""
+        self.channel: JobChannel | None = None
+        self._attach(runtime, channel)
+
+    def _attach(self, runtime: Runtime, channel: JobChannel | None) -> None:
+        """Build everything that depends on the world: batch plan, sharded model, optimizer,
+        checkpointer, the etcd channel (rank 0 only), the sample log."""
+        cfg = self.cfg
+        self.rt = runtime
+        if runtime.rank == 0:
+            self.channel = channel or self.channel or (self._open_channel() if self._open_channel else None)
+        elif self.channel is not None:
+            self.channel.close()
+            self.channel = None
         # Fails at start, before any work, when the global batch does not split.
         self.plan: BatchPlan = plan_batches(
             cfg.batch.global_batch_size, runtime.world_size, runtime.rank, cfg.batch.max_micro_batch_size
         )
-        self.source = make_source(cfg.data, cfg.model)
         torch.manual_seed(cfg.seed)
         self.model = build_sharded_model(cfg.model, cfg.seed, runtime)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
-        self.state = TrainerState()
         self.app = AppState(self.model, self.optimizer, self.state)
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.close()
         die_at = self._fault_step("kill_during_save")
         self.checkpointer = Checkpointer(cfg.checkpoint, runtime, die_at) if cfg.checkpoint.dir else None
-        self.resumed_from = 0
-        self.last_loss = float("nan")
-        self.tokens_per_s = 0.0
         self._last_save_time = time.monotonic()
         self._last_progress_time = 0.0
         self._sample_log = self._open_sample_log()
@@ -123,6 +167,9 @@ class TrainingRun:
             tokens_per_s=self.tokens_per_s,
             resumed_from_step=self.resumed_from,
             restart_count=self.info.restart_count,
+            round=self.world.round if self.world is not None else 0,
+            reform_mode=self.change.mode,
+            resume_phases=dict(self.change.phases),
             extra={
                 "state": c.state,
                 "checkpoint_saves": c.checkpoint_saves,
@@ -144,34 +191,70 @@ class TrainingRun:
 
     # --- start --------------------------------------------------------------------
 
-    def resume(self) -> None:
-        """Load the newest committed checkpoint (any world size) and emit the resume span."""
+    def resume(self, held: list[HeldState] | None = None) -> None:
+        """Restore the state for this world. From memory when the survivors hold every old
+        rank's shards at one agreed step (a grow, a planned shrink whose leavers handed theirs
+        over); else from the newest committed checkpoint (any world size). Every rank takes
+        part, fresh or surviving, and all take the same path."""
+        if self.checkpointer is not None:
+            self.checkpointer.prepare()
+        t0 = time.perf_counter()
+        try:
+            step = redistribute(self.model, self.optimizer, held or None, torch.distributed.group.WORLD)
+        except ValueError as exc:
+            if held:
+                log.warning("state cannot be rebuilt in memory; loading the checkpoint", why=str(exc)[:300])
+        else:
+            self.change.add("reshard", time.perf_counter() - t0)
+            self.state.step, self.state.samples_seen = step, step * self.plan.global_batch
+            self.state.lr = lr_at(max(step - 1, 0), self.cfg.optim, self.cfg.max_steps)
+            if not self.change.mode:
+                self.change.mode = "restart"  # a process started for a world that had state
+            self.resumed_from = step
+            log.info("resharded in memory", step=step, world_size=self.rt.world_size)
+            return
         if self.checkpointer is None:
             return
-        self.checkpointer.prepare()
-        started_ns = time.time_ns()
         t0 = time.perf_counter()
         step = self.checkpointer.load_latest(self.app)
         load_s = time.perf_counter() - t0
         if step is None:
             return
+        self.change.add("load", load_s)
+        if not self.change.mode:
+            self.change.mode = "restart"  # this process was started for a world that had state
         self.resumed_from = step
         log.info("resumed", step=step, world_size=self.rt.world_size, load_s=round(load_s, 3), plan=str(self.plan))
-        if self.rt.rank == 0:
-            reform = self.channel.latest_reform if self.channel is not None else None
-            parent = context_from_traceparent(reform.traceparent if reform is not None else "")
-            span = self.tracer.start_span(
-                "regroup.trainer.resume",
-                context=parent,
-                start_time=started_ns,
-                attributes={
-                    "regroup.resumed_from_step": step,
-                    "regroup.world_size": self.rt.world_size,
-                    "regroup.load_duration_s": load_s,
-                    "regroup.restart_count": self.info.restart_count,
-                },
-            )
-            span.end()
+
+    def _resumed(self, step_s: float) -> None:
+        """After the first step in a new world: record it, publish at once, emit the span."""
+        change = self.change
+        change.add("first_step", step_s)
+        change.first_step_done = True
+        if self.rt.rank != 0:
+            return
+        self.publish()
+        if not (self.resumed_from or change.mode):
+            return  # the job's first start resumed nothing
+        traceparent = change.traceparent
+        if not traceparent and self.channel is not None and self.channel.latest_reform is not None:
+            traceparent = self.channel.latest_reform.traceparent
+        attributes: dict[str, Any] = {
+            "regroup.resumed_from_step": self.resumed_from,
+            "regroup.world_size": self.rt.world_size,
+            "regroup.restart_count": self.info.restart_count,
+            "regroup.reform.mode": change.mode or "start",
+        }
+        attributes.update({f"regroup.resume.{k}_s": v for k, v in change.phases.items()})
+        if "load" in change.phases:
+            attributes["regroup.load_duration_s"] = change.phases["load"]
+        span = self.tracer.start_span(
+            "regroup.trainer.resume",
+            context=context_from_traceparent(traceparent),
+            start_time=change.started_ns,
+            attributes=attributes,
+        )
+        span.end()
 
     # --- one step -----------------------------------------------------------------
 
@@ -229,8 +312,21 @@ class TrainingRun:
             stop=self.stop.requested,
             save_due=save_due,
             loss=local_loss,
+            reform=self._reform_due(),
         )
+        self._leave_if_due(decided)
         return decided, request if decided.generation else None
+
+    def _reform_due(self) -> bool:
+        return self.world is not None and self.world.reform_due()
+
+    def _leave_if_due(self, decided: Boundary) -> None:
+        """An announced re-form, or a peer stopping while this rank was not asked to (its
+        node is leaving the job), ends this world here, at a boundary every rank agreed on."""
+        if self.world is None or not self.world.in_place:
+            return
+        if decided.reform or (decided.stop and not self.stop.requested):
+            raise Interrupted("re-form at this step boundary" if decided.reform else "a peer is leaving")
 
     def save(self, *, wait: bool) -> float:
         assert self.checkpointer is not None
@@ -303,7 +399,9 @@ class TrainingRun:
                 stop=self.stop.requested,
                 save_due=False,
                 loss=0.0,
+                reform=self._reform_due(),
             )
+            self._leave_if_due(decided)
             if decided.stop:
                 return True
             if not decided.generation:
@@ -330,8 +428,21 @@ class TrainingRun:
         return exit_code(self.stop.signum or 15)
 
     def run(self) -> int:
-        """Train to ``max_steps`` or until stopped; the process exit code."""
+        """Train to ``max_steps`` or until stopped; the process exit code. Under an in-place
+        agent, a re-form of the world is survived: leave, rejoin, restore, train on."""
         self.resume()
+        while True:
+            try:
+                return self._train()
+            except Exception as exc:
+                if self.world is None or not self.world.interrupted(exc):
+                    raise
+                clean = isinstance(exc, Interrupted)
+                log.info("leaving the world for a re-form", step=self.state.step, clean=clean, why=str(exc)[:200])
+                if not self.reform(clean):
+                    return self.stop_now()
+
+    def _train(self) -> int:
         self.counters.state = "training"
         if self.rt.rank == 0:
             log.info(
@@ -343,7 +454,8 @@ class TrainingRun:
                 start_step=self.state.step,
                 max_steps=self.cfg.max_steps,
             )
-        self.publish(wait=True)
+        # Progress at this world's size is published after its first step (``_resumed``):
+        # the controller reads it as "resumed", with the resume phases complete.
         crash_at = self._fault_step("crash")
         hang_at = self._fault_step("hang")
         tokens_per_step = self.plan.global_batch * self.cfg.model.seq_len
@@ -360,6 +472,8 @@ class TrainingRun:
             self.tokens_per_s = tokens_per_step / compute_s if compute_s > 0 else 0.0
             decided, request = self.boundary(local_loss)
             self.last_loss = decided.loss
+            if not self.change.first_step_done:
+                self._resumed(time.perf_counter() - started)
             if self.rt.rank == 0 and self.state.step % self.cfg.log_every == 0:
                 log.info(
                     "step",
@@ -385,6 +499,83 @@ class TrainingRun:
                 # Wakes early on a stop; the stop itself is agreed at the next boundary.
                 self.stop.wait(floor - (time.perf_counter() - started))
         return self.finish()
+
+    # --- in-place re-forms ---------------------------------------------------------------
+
+    def reform(self, clean: bool) -> bool:
+        """Leave this world, form the next one, rebuild and restore; False if a stop came
+        while waiting (the caller exits). ``clean``: every rank left at one agreed boundary,
+        so the state in memory is consistent; otherwise only committed checkpoints are."""
+        assert self.world is not None
+        self.counters.state = "re-forming"
+        if self.checkpointer is not None:
+            if clean and self.checkpointer.in_flight_step is not None:
+                try:
+                    self.checkpointer.finish()
+                except Exception as exc:  # a peer vanished mid-save: that save never commits
+                    log.warning("in-flight checkpoint failed with the world", error=str(exc)[:200])
+                    self.checkpointer.abandon()
+            else:
+                self.checkpointer.abandon()
+        old_world, old_step = self.rt.world_size, self.state.step
+        refuse_at = self._fault_step("refuse_reform")
+        if refuse_at is not None and old_step >= refuse_at:
+            raise ReformFailed(f"injected: rank {self.rt.rank} refuses the re-form at step {old_step}")
+        held, leaving = self._hold(clean) if self.cfg.reform.in_memory else ([], False)
+        if leaving:
+            # This node is leaving the job: its shards are with a survivor; its agent stops it.
+            self.world.leave()
+            self.stop.wait(self.world.timeout.total_seconds())
+            return False
+        self.change = WorldChange(mode="in-place")
+        try:
+            membership = self.world.rejoin(stop=lambda: self.stop.requested, timeout=self.cfg.reform.wait)
+        except ReformFailed:
+            if self.stop.requested:
+                return False
+            raise
+        started = time.perf_counter()
+        structlog.contextvars.bind_contextvars(rank=membership.rank)
+        runtime = runtime_on_default_group(self.rt.local_rank, self.rt.device, self.world.timeout)
+        self.change.add("process_group", self.world.last_process_group_s + time.perf_counter() - started)
+        self.change.traceparent = membership.traceparent
+        if self._sample_log is not None:
+            self._sample_log.close()
+        self._attach(runtime, None)
+        self.resumed_from = 0
+        self.resume(held)
+        del held
+        if not {"reshard", "load"} & set(self.change.phases) and self.state.step:
+            # Nothing in memory or committed to restore: start over, as a restarted job would.
+            self.state.step = self.state.samples_seen = 0
+        log.info(
+            "re-formed in place",
+            round=membership.round,
+            rank=runtime.rank,
+            world_size=f"{old_world}->{runtime.world_size}",
+            step=f"{old_step}->{self.state.step}",
+            phases=self.change.phases,
+        )
+        return True
+
+    def _hold(self, clean: bool) -> tuple[list[HeldState], bool]:
+        """At an agreed boundary: keep this rank's shards, and take part in the hand-off of
+        leaving ranks' shards over the old world. Returns (states held, this rank is leaving).
+        Any failure (a peer gone meanwhile) leaves the checkpoint to restore from."""
+        if not clean or self.world is None:
+            return [], False
+        try:
+            own = hold_state(self.model, self.optimizer, self.rt.rank, self.rt.world_size, self.state.step)
+        except ValueError as exc:
+            log.warning("cannot hold the state in memory", why=str(exc)[:200])
+            return [], False
+        note = self.world.announcement(_ANNOUNCE_WAIT)
+        leaving = bool(note is not None and note.pending and note.leaving)
+        try:
+            return hand_off(own, leaving), leaving
+        except Exception as exc:  # a peer went away during the hand-off
+            log.warning("shard hand-off failed; the checkpoint will be used", why=str(exc)[:200])
+            return ([] if leaving else [own]), leaving
 
     def _periodic_due(self, decided: Boundary) -> bool:
         every = self.cfg.checkpoint.every_steps

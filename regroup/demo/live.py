@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from regroup.demo.recorder import JobView
+from regroup.records import Progress
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,16 @@ def phase_of(view: JobView, now: float, stale_after: float = 3.0) -> str:
         return "starting"
     if now - view.progress_seen_at > stale_after:
         return "training stopped, waiting to resume"
-    return "training"
+    return "training" + _last_reform(view.progress)
+
+
+def _last_reform(progress: Progress) -> str:
+    """How the current world came to be, as the trainer reports it ("" on a first start)."""
+    if not progress.reform_mode:
+        return ""
+    resumed = sum(v for v in progress.resume_phases.values() if isinstance(v, int | float))
+    took = f", resumed in {resumed:.1f}s" if progress.resume_phases else ""
+    return f" (last re-form {progress.reform_mode}{took})"
 
 
 def render(s: LiveSnapshot) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from regroup.demo.scenario import ScenarioError, load_scenario, resolve_scenario_path, with_overrides
 
-BASELINES = ("torchrun-c10d",)
+BASELINES = ("regroup-restart", "torchrun-c10d")
 T = TypeVar("T")
 
 
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for run folders (default: out)")
     parser.add_argument("--name", help="run folder name (default: <scenario>-<time>)")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--baseline", choices=BASELINES, help="play the scenario on plain torchrun instead of regroup")
+    which.add_argument("--baseline", choices=BASELINES, help="play the scenario with every re-form restarting the workers (regroup-restart), or on plain torchrun")
     which.add_argument("--compare", action="store_true", help="play it on regroup, then on torchrun-c10d; one report")
     which.add_argument(
         "--report", type=Path, nargs="+", metavar="RUN_DIR", help="only rebuild the report of recorded run folders"
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"regroup demo: {exc}", file=sys.stderr)
         return 2
 
-    from regroup.demo.nodes import RunLayout
+    from regroup.demo.nodes import CONTROLLED, RunLayout
     from regroup.demo.runner import run_scenario
     from regroup.telemetry import configure_logging, configure_tracing
 
@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     # Logs go to a file: the terminal belongs to the live view.
     log_stream = open(layouts[0].logs / "demo.log", "a")  # noqa: SIM115 - closed below
     configure_logging(stream=log_stream)
-    provider = configure_tracing("regroup-controller", spans_file=str(layouts[modes.index("regroup")].spans)) if "regroup" in modes else None
+    controlled = [i for i, mode in enumerate(modes) if mode in CONTROLLED]
+    provider = configure_tracing("regroup-controller", spans_file=str(layouts[controlled[0]].spans)) if controlled else None
     live = False if args.no_live else None
     try:
         for mode, layout in zip(modes, layouts):

@@ -1,8 +1,11 @@
 """What runs on each local node: the torchrun command, its environment, the trainer config.
 
-Two modes play the same scenario with the same trainer and checkpoint cadence:
+Three modes play the same scenario with the same trainer and checkpoint cadence:
 
-- ``regroup``: torchrun with the ``etcd-v3`` rendezvous, driven by the controller;
+- ``regroup``: ``regroup-run --standby`` (torchrun whose workers survive re-forms in
+  place) with the ``etcd-v3`` rendezvous, driven by the controller;
+- ``regroup-restart``: plain torchrun (``torch.distributed.run``) with the same ``etcd-v3``
+  rendezvous and controller: every re-form restarts every worker (the restart path);
 - ``torchrun-c10d``: plain torchrun with its c10d rendezvous and no controller. Its
   store is a standalone ``TCPStore`` (``regroup.demo.c10d_store``), the way a platform
   would run a rendezvous service, so losing the first node does not take it away.
@@ -23,8 +26,10 @@ from controller.local_cluster import AgentCommand, AgentLauncher
 from regroup.demo.scenario import Scenario
 from regroup.telemetry import SPANS_FILE_ENV
 
-Mode = Literal["regroup", "torchrun-c10d"]
-MODES: tuple[str, ...] = ("regroup", "torchrun-c10d")
+Mode = Literal["regroup", "regroup-restart", "torchrun-c10d"]
+MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d")
+CONTROLLED: tuple[str, ...] = ("regroup", "regroup-restart")
+"""Modes with the etcd-v3 rendezvous and the controller."""
 NAMESPACE = "default"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,11 +131,12 @@ def base_env(layout: RunLayout) -> dict[str, str]:
 
 
 def torchrun_argv(
-    scenario: Scenario, mode: Mode, rdzv_endpoint: str, config: Path, monitor_interval: float = 0.5
+    scenario: Scenario, mode: Mode, rdzv_endpoint: str, config: Path, monitor_interval: float = 0.1
 ) -> list[str]:
     job = scenario.job
+    launcher = ["-m", "rendezvous.inplace.launcher", "--standby"] if mode == "regroup" else ["-m", "torch.distributed.run"]
     argv = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, *launcher,
         f"--nnodes={job.min_nodes}:{job.max_nodes}",
         f"--nproc-per-node={job.nproc_per_node}",
         f"--max-restarts={job.max_restarts}",
@@ -138,7 +144,7 @@ def torchrun_argv(
         f"--rdzv-id={job.name}",
         f"--rdzv-endpoint={rdzv_endpoint}",
     ]  # fmt: skip
-    if mode == "regroup":
+    if mode in CONTROLLED:
         argv.append("--rdzv-backend=etcd-v3")
     else:
         # Every agent is a client of the standalone store.

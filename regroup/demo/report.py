@@ -29,10 +29,10 @@ from regroup.demo.analysis import (
     run_reforms,
     world_size_timeline,
 )
-from regroup.trace_report import PHASES, format_table
+from regroup.trace_report import PHASES, Reform, format_table
 
 PHASE_COLOURS = {"detect": "#d62728", "checkpoint": "#1f77b4", "rendezvous": "#ff7f0e", "resume": "#2ca02c"}
-RUN_COLOURS = {"regroup": "#1f77b4", "torchrun-c10d": "#7f7f7f"}
+RUN_COLOURS = {"regroup": "#1f77b4", "regroup-restart": "#ff7f0e", "torchrun-c10d": "#7f7f7f"}
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,20 @@ def loss_chart(runs: list[RunData]) -> str:
     return _png(fig)
 
 
+def _cause(reform: Reform) -> str:
+    """The re-form's cause, with how the workers got through it when the trace says."""
+    return f"{reform.cause} ({reform.mode})" if reform.mode else reform.cause
+
+
 def reform_latency_chart(run: RunData) -> str | None:
     reforms = run_reforms(run)
     if not reforms:
         return None
     fig, ax = plt.subplots(figsize=(10, 3.4))
-    labels = [f"#{i} {r.cause}\n{r.world_before}->{r.world_after} @{r.start - run.started_at:.0f}s" for i, r in enumerate(reforms, 1)]
+    labels = [
+        f"#{i} {_cause(r)}\n{r.world_before}->{r.world_after} @{r.start - run.started_at:.0f}s"
+        for i, r in enumerate(reforms, 1)
+    ]
     bottoms = [0.0] * len(reforms)
     for phase in PHASES:
         values = [r.phases.get(phase, 0.0) for r in reforms]
@@ -222,7 +230,7 @@ def _impact_table(runs: list[RunData]) -> str:
             if impact is None:
                 cells.append("<td>-</td><td>-</td><td>-</td>")
                 continue
-            reforms = ", ".join(f"{r.cause} {r.duration:.1f}" for r in impact.reforms) or "-"
+            reforms = ", ".join(f"{_cause(r)} {r.duration:.1f}" for r in impact.reforms) or "-"
             cells.append(f"<td>{html.escape(reforms)}</td><td>{impact.downtime:.1f}</td><td>{impact.lost_steps}</td>")
         rows.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><tr><th>t (s)</th><th>event</th>{head}</tr>{''.join(rows)}</table>"
@@ -267,9 +275,12 @@ def build_report(runs: list[RunData], path: Path) -> Path:
         if run.spans:
             parts += [
                 f"<h2>Re-form latency per event ({html.escape(run.mode)}, from the re-form traces)</h2>",
-                "<p>Re-forms decided after training started; the job's initial formation is left out.</p>",
+                "<p>Re-forms decided after training started; the job's initial formation is left out. "
+                "<em>mode</em>: whether the workers survived the re-form (<code>in-place</code>) or were "
+                "started again (<code>restart</code>); the columns after <code>resume_s</code> split the "
+                "resume as the trainer's rank 0 measured it.</p>",
                 _img(reform_latency_chart(run), "re-form latency"),
-                f"<pre>{html.escape(format_table(run_reforms(run), origin=run.started_at))}</pre>",
+                f"<pre>{html.escape(format_table(run_reforms(run), origin=run.started_at, resume_split=True))}</pre>",
             ]
     parts += [
         "<h2>Per scripted event</h2>",

@@ -24,7 +24,7 @@ import structlog
 
 from controller.local_cluster import ClusterEvent, LocalCluster
 from regroup.demo.live import LiveSnapshot, LiveView, phase_of
-from regroup.demo.nodes import NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
+from regroup.demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
 from regroup.demo.recorder import JobRecorder
 from regroup.demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
@@ -122,7 +122,7 @@ class _Run:
         if node.unschedulable:
             return "cordoned"
         notice = next((t for t in node.taints if t.time_added is not None), None)
-        if self.mode == "regroup":
+        if self.mode in CONTROLLED:
             members = self.recorder.view.members if self.recorder else {}
             state = "member" if name in members else "joining"
         else:
@@ -159,7 +159,7 @@ async def _play(run: _Run, events: tuple[ChurnEvent, ...]) -> None:
         delay = run.started_at + run.delay + event.at.total_seconds() - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        if run.mode == "regroup":
+        if run.mode in CONTROLLED:
             # The baseline plays at the scripted times: churn does not wait for a job to recover.
             await _wait_settled(run, SETTLE_TIMEOUT)
         run.record("scenario", event.action, event.describe(), event.nodes, "Warning")
@@ -321,9 +321,9 @@ async def run_scenario(
         async with contextlib.AsyncExitStack() as stack:
             # Tasks whose early end (a crash) ends the run with an error instead of a silent stall.
             vital = [await stack.enter_async_context(_owned(run.recorder.run(), "recorder"))]
-            if mode == "regroup" and not controller_available():
+            if mode in CONTROLLED and not controller_available():
                 run.record("demo", "NoController", "controller.runtime is not installed: agents re-form on their own")
-            elif mode == "regroup":
+            elif mode in CONTROLLED:
                 ready = asyncio.Event()
                 controller = await stack.enter_async_context(
                     _owned(_controller(run.cluster, settings, ready), "controller")
@@ -353,7 +353,7 @@ async def run_scenario(
                     await _until(asyncio.Event().wait(), vital, max(0.5, min(remaining, 1.0)), "the end of the run")
             if player.exception() is not None:
                 raise RuntimeError(f"the scenario failed: {player.exception()!r}") from player.exception()
-            if mode == "regroup":
+            if mode in CONTROLLED:
                 await _wait_settled(run, SETTLE_TIMEOUT)
             ended_at = time.time()
             view.draw()

@@ -84,9 +84,9 @@ class Cluster:
                             world_size=world_size, acked_at=time.time())
         await self.etcd.put(JobKeys(NS, job).ack(generation).encode(), ack.to_json())
 
-    async def progress(self, job: str, step: int, world_size: int, resumed_from: int = 0) -> None:
+    async def progress(self, job: str, step: int, world_size: int, resumed_from: int = 0, **fields: Any) -> None:
         record = Progress(step=step, loss=1.0, samples_seen=step * 8, world_size=world_size, time=time.time(),
-                          resumed_from_step=resumed_from)
+                          resumed_from_step=resumed_from, **fields)
         await self.etcd.put(JobKeys(NS, job).progress.encode(), record.to_json())
 
     async def job(self, job: str, nodes: list[str], annotations: dict[str, str], round_: int = 1, step: int = 10) -> None:

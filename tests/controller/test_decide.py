@@ -263,6 +263,37 @@ def test_lost_steps_count_from_the_last_step_before_to_the_resumed_step() -> Non
     assert s.plan.outcome == "completed" and s.plan.lost_steps == 30
 
 
+def test_the_completed_plan_keeps_how_the_trainer_resumed() -> None:
+    s = job(step=230)
+    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
+    s, _ = step(s, T0)
+    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
+    s, _ = step(s, T0 + 1)
+    assert s.plan.phase == "resume" and (s.plan.mode, s.plan.resume_phases) == ("", {})
+    phases = {"process_group": 0.4, "reshard": 1.5, "first_step": 0.3}
+    s = dataclasses.replace(
+        s, progress=Progress(step=231, loss=1.0, samples_seen=0, world_size=4, time=T0 + 3, resumed_from_step=230,
+                             round=2, reform_mode="in-place", resume_phases=phases), progress_revision=50,
+    )  # fmt: skip
+    s, _ = step(s, T0 + 3)
+    assert s.plan.outcome == "completed" and s.plan.mode == "in-place" and s.plan.resume_phases == phases
+
+
+def test_a_plan_that_times_out_says_nothing_of_how_the_trainer_resumed() -> None:
+    s = job(step=230)
+    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
+    s, _ = step(s, T0)
+    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
+    s, _ = step(s, T0 + 1)
+    # Progress from the old world (six ranks) is not the resume, whatever mode it carries.
+    s = dataclasses.replace(
+        s, progress=Progress(step=231, loss=1.0, samples_seen=0, world_size=6, time=T0 + 3, reform_mode="restart",
+                             resume_phases={"startup": 3.0}), progress_revision=50,
+    )  # fmt: skip
+    s, _ = step(s, T0 + 1 + S.reform.resume_timeout.total_seconds())
+    assert s.plan.outcome == "timeout" and (s.plan.mode, s.plan.resume_phases) == ("", {})
+
+
 def test_a_target_lost_during_rendezvous_supersedes_the_plan() -> None:
     s = job(("n1", "n2", "n3"))
     s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})

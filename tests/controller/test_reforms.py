@@ -47,14 +47,17 @@ async def test_planned_shrink_checkpoints_first_and_the_ack_gates_the_reform(clu
         await cluster.member(JOB, "n3", 2)
         await cluster.drop_member(JOB, "n2")
         await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "resume")
-        await cluster.progress(JOB, 12, 4, resumed_from=12)
+        # The survivors kept their processes; rank 0 says so, and where the resume time went.
+        await cluster.progress(JOB, 12, 4, resumed_from=12, round=2, reform_mode="in-place",
+                               resume_phases={"process_group": 0.002, "reshard": 0.003})
         plan = await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "done")
-        assert plan.outcome == "completed" and plan.planned and plan.lost_steps == 0
+        assert plan.outcome == "completed" and plan.planned and plan.lost_steps == 0 and plan.mode == "in-place"
         await until(lambda: sample(metrics, "regroup_reforms_total", namespace=NS, job=JOB, cause="reclaim", planned="true") == 1)
         assert sample(metrics, "regroup_world_size", namespace=NS, job=JOB) == 2
 
     finished = {s.name: s for s in spans.get_finished_spans()}
-    assert set(finished) == {"regroup.reform", "regroup.detect", "regroup.checkpoint", "regroup.rendezvous", "regroup.resume"}
+    assert set(finished) == {"regroup.reform", "regroup.detect", "regroup.checkpoint", "regroup.rendezvous", "regroup.resume",
+                             "regroup.resume.process_group", "regroup.resume.reshard"}  # fmt: skip
     root = finished["regroup.reform"]
     assert root.parent is None
     for name in ("regroup.detect", "regroup.checkpoint", "regroup.rendezvous", "regroup.resume"):
@@ -63,7 +66,7 @@ async def test_planned_shrink_checkpoints_first_and_the_ack_gates_the_reform(clu
         assert root.start_time <= child.start_time <= child.end_time <= root.end_time
     expected_attributes = {
         "regroup.job": JOB, "regroup.cause": "reclaim", "regroup.world_size.before": 3,
-        "regroup.world_size.after": 2, "regroup.planned": True, "regroup.lost_steps": 0,
+        "regroup.world_size.after": 2, "regroup.planned": True, "regroup.lost_steps": 0, "regroup.reform.mode": "in-place",
     }
     assert {k: root.attributes[k] for k in expected_attributes} == expected_attributes
     # The trainers were told to parent their checkpoint spans on the checkpoint span.
@@ -76,6 +79,11 @@ async def test_planned_shrink_checkpoints_first_and_the_ack_gates_the_reform(clu
     assert abs(finished["regroup.rendezvous"].start_time / ns - reform.requested_at) < 0.01
     assert finished["regroup.detect"].start_time / ns >= tainted_at - 0.01
     assert finished["regroup.detect"].end_time / ns <= request.requested_at + 0.01
+    resume = finished["regroup.resume"]
+    assert resume.attributes["regroup.resume.reshard_s"] == 0.003
+    for name in ("regroup.resume.process_group", "regroup.resume.reshard"):
+        assert finished[name].parent.span_id == resume.context.span_id
+        assert resume.start_time <= finished[name].start_time <= finished[name].end_time <= resume.end_time
 
 
 async def test_missing_ack_falls_back_to_unplanned_at_the_deadline(cluster, kube_api, kubeconfig, etcd_settings) -> None:

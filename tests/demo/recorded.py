@@ -19,33 +19,43 @@ T0 = 1_700_000_000.0
 
 
 def write_reform_spans(path: Path, reforms: list[dict[str, Any]]) -> None:
-    """Each dict: start (s after T0), cause, before, after, planned, lost, phases {name: seconds}."""
+    """Each dict: start (s after T0), cause, before, after, planned, lost, phases {name: seconds},
+    and optionally mode and resume {sub-phase: seconds} (as a trainer that reports them gives)."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
     tracer = provider.get_tracer("test")
     for r in reforms:
         start = T0 + r["start"]
         end = start + sum(r["phases"].values())
-        root = tracer.start_span(
-            "regroup.reform",
-            start_time=int(start * 1e9),
-            attributes={
-                "regroup.job": "demo",
-                "regroup.cause": r["cause"],
-                "regroup.world_size.before": r["before"],
-                "regroup.world_size.after": r["after"],
-                "regroup.planned": r["planned"],
-                "regroup.lost_steps": r["lost"],
-            },
-        )
+        attributes = {
+            "regroup.job": "demo",
+            "regroup.cause": r["cause"],
+            "regroup.world_size.before": r["before"],
+            "regroup.world_size.after": r["after"],
+            "regroup.planned": r["planned"],
+            "regroup.lost_steps": r["lost"],
+        }
+        if "mode" in r:
+            attributes["regroup.reform.mode"] = r["mode"]
+        root = tracer.start_span("regroup.reform", start_time=int(start * 1e9), attributes=attributes)
         ctx = trace.set_span_in_context(root)
         at = start
         for name, seconds in r["phases"].items():
             child = tracer.start_span(f"regroup.{name}", context=ctx, start_time=int(at * 1e9))
+            if name == "resume":
+                _resume_split(tracer, child, at, r.get("resume", {}))
             at += seconds
             child.end(end_time=int(at * 1e9))
         root.end(end_time=int(end * 1e9))
     provider.shutdown()
+
+
+def _resume_split(tracer: trace.Tracer, resume: trace.Span, at: float, split: dict[str, float]) -> None:
+    ctx = trace.set_span_in_context(resume)
+    for name, seconds in split.items():
+        resume.set_attribute(f"regroup.resume.{name}_s", seconds)
+        tracer.start_span(f"regroup.resume.{name}", context=ctx, start_time=int(at * 1e9)).end(end_time=int((at + seconds) * 1e9))
+        at += seconds
 
 
 def progress_rows(incarnations: list[tuple[int, int, int, float, int]], step_s: float = 0.5) -> list[dict[str, Any]]:
@@ -82,13 +92,16 @@ def write_run(root: Path, mode: str, progress: list[dict[str, Any]], events: lis
     return root
 
 
-# A regroup-like run: planned reclaim (no loss), abrupt loss (resume from step 40 after 47),
-# grow, and a cordon.
+# A regroup-like run: planned reclaim (no loss; the survivors re-form in place), abrupt loss
+# (resume from step 40 after 47; workers restarted), grow (a trainer that reports no mode),
+# and a cordon.
 REFORMS = [
     {"start": 10.5, "cause": "reclaim", "before": 3, "after": 2, "planned": True, "lost": 0,
-     "phases": {"detect": 0.1, "checkpoint": 0.8, "rendezvous": 1.5, "resume": 2.0}},
+     "phases": {"detect": 0.1, "checkpoint": 0.8, "rendezvous": 1.5, "resume": 2.0},
+     "mode": "in-place", "resume": {"process_group": 0.3, "reshard": 0.9, "first_step": 0.6}},
     {"start": 30.2, "cause": "node-lost", "before": 2, "after": 1, "planned": False, "lost": 7,
-     "phases": {"detect": 0.4, "rendezvous": 1.2, "resume": 2.5}},
+     "phases": {"detect": 0.4, "rendezvous": 1.2, "resume": 2.5},
+     "mode": "restart", "resume": {"startup": 1.2, "process_group": 0.3, "load": 0.6, "first_step": 0.3}},
     {"start": 45.0, "cause": "grow", "before": 1, "after": 3, "planned": True, "lost": 0,
      "phases": {"detect": 3.0, "checkpoint": 0.5, "rendezvous": 1.0, "resume": 2.0}},
 ]  # fmt: skip

@@ -45,6 +45,9 @@ def test_the_phase_follows_the_plan_then_progress() -> None:
     view.progress_seen_at = 99.5
     assert phase_of(view, now=100.0) == "training"
     assert phase_of(view, now=110.0) == "training stopped, waiting to resume"
+    view.progress = Progress(step=9, loss=1.9, samples_seen=90, world_size=2, time=99.0, round=2,
+                             reform_mode="in-place", resume_phases={"process_group": 0.5, "reshard": 0.8})
+    assert phase_of(view, now=100.0) == "training (last re-form in-place, resumed in 1.3s)"
     view.plan = _plan("rendezvous")
     assert phase_of(view, now=100.0) == "re-forming (reclaim, planned): rendezvous"
     view.plan = _plan("done")

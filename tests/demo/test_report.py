@@ -102,3 +102,18 @@ def test_report_is_self_contained_and_shows_both_runs(regroup_run: Path, baselin
     summary = summary_text(runs, path)
     assert f"report: {path}" in summary and "node-lost" in summary
     assert len(summary.splitlines()) < 40
+
+
+def test_the_reform_table_shows_the_mode_and_the_html_the_resume_split(regroup_run: Path) -> None:
+    run = load_run(regroup_run)
+    text = build_report([run], regroup_run / "report.html").read_text()
+    [table] = re.findall(r"<pre>(.*?)</pre>", text, re.S)
+    header, _, reclaim, lost, grow = (line.split() for line in table.splitlines()[:5])
+    assert header[5] == "mode" and "reshard_s" in header and "startup_s" in header
+    assert (reclaim[5], lost[5], grow[5]) == ("in-place", "restart", "?")
+    assert reclaim[header.index("reshard_s")] == "0.90" and lost[header.index("load_s")] == "0.60"
+    # The per-event table says how the workers got through each re-form.
+    assert "reclaim (in-place) 4.4" in text and "node-lost (restart) 4.1" in text
+    # The terminal summary keeps one line per re-form narrow: the mode, not the split.
+    summary = summary_text([run], regroup_run / "report.html")
+    assert " in-place " in summary and " restart " in summary and "reshard_s" not in summary

@@ -89,6 +89,8 @@ def test_trainer_image_registers_the_rendezvous_backend_and_runs_non_root() -> N
     assert "USER 65532:65532" in trainer
     run = " ".join(s for s in trainer if s.startswith("RUN"))
     assert "torchrun.handlers" in run and "etcd-v3" in run  # the build fails without the backend
+    # ...and without the workers' launcher (the example manifests run regroup-run).
+    assert "console_scripts" in run and "'regroup-run'" in run and "regroup-run --help" in run
     assert "[train]" not in run  # keep the base image's CUDA torch
     assert 'ENTRYPOINT ["/opt/regroup/bin/regroup-entrypoint"]' in trainer
 
@@ -141,7 +143,7 @@ def test_scripts_copied_into_the_trainer_image_are_executable(script: str) -> No
     assert (REPO / script).read_text().startswith("#!")
 
 
-def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(tmp_path: Path) -> None:
+def _build_wheel(tmp_path: Path) -> Path:
     # What the wheel stage sees: the allow-listed paths, minus what .dockerignore drops.
     patterns = _dockerignore()
     assert patterns[0] == "**", ".dockerignore is an allow-list"
@@ -161,6 +163,15 @@ def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(
     )
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "wheels").glob("regroup-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         info = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -170,7 +181,51 @@ def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(
     assert not any("__pycache__" in n for n in names)
     assert re.search(r"\[torchrun.handlers\]\s+etcd-v3 = rendezvous.registration:handler_factory", entry_points)
     assert "regroup = regroup.cli:main" in entry_points
+    assert re.search(r"\[console_scripts\][^\[]*\nregroup-run = rendezvous.inplace.launcher:main", entry_points)
     # The controller image installs the wheel without extras: torch must only be an extra.
     requires = re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
     assert requires and all("extra ==" in r for r in requires if r.startswith("torch"))
     assert any(r.startswith("torch") for r in requires)
+
+
+def _trainer_install_checks() -> str:
+    """The trainer stage's build-time checks: its install RUN after the pip install."""
+    (install,) = [s for s in _stages()["trainer"] if s.startswith("RUN") and "/wheels/regroup-" in s]
+    steps = [step.strip() for step in install.split(" && ")]
+    assert steps[0].endswith("/wheels/regroup-*.whl"), steps[0]
+    return " && ".join(steps[1:])
+
+
+def test_trainer_build_checks_pass_on_the_wheel_and_fail_without_regroup_run(wheel: Path, tmp_path: Path) -> None:
+    # A clean environment like the image's: the wheel installed with its console scripts,
+    # `python` and the scripts on PATH; torch (from the base image there) comes from here.
+    env_dir = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(env_dir / "bin/python"), "install", "--no-deps",
+         "--no-index", "--no-cache-dir", "-q", str(wheel)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    # torch's folder goes after the environment's own site-packages (a .pth line), so the
+    # wheel's metadata, not a development install there, is what the checks see.
+    (site_packages,) = (env_dir / "lib").glob("python3*/site-packages")
+    (site_packages / "torch-from-tests.pth").write_text(str(Path(__import__("torch").__file__).parent.parent) + "\n")
+    environment = {
+        "PATH": f"{env_dir / 'bin'}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
+    checks = _trainer_install_checks()
+
+    def build() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["sh", "-c", checks], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=180, check=False
+        )
+
+    passed = build()
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    (env_dir / "bin/regroup-run").unlink()
+    failed = build()
+    assert failed.returncode != 0
+    assert "regroup-run launcher not installed" in failed.stderr

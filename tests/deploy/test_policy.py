@@ -325,6 +325,37 @@ def _flag(args: list[str], name: str) -> str:
     return value
 
 
+ENTRYPOINT = "/opt/regroup/bin/regroup-entrypoint"
+
+# Examples that launch with plain torchrun on purpose, and why. Every other worker runs
+# `regroup-run --standby`, so a slip back to torchrun fails the tests below.
+TORCHRUN_EXAMPLES = {
+    "deploy/examples/smoke-job.yaml": "trainer.smoke is a one-shot check without ElasticWorld: nothing to re-form",
+}
+
+
+def _file(where: str) -> str:
+    return where.split(": ")[0]
+
+
+def _runs_the_trainer(container: dict[str, Any]) -> bool:
+    words = container.get("command", []) + container.get("args", [])
+    return any(flag == "-m" and module == "trainer" for flag, module in zip(words, words[1:]))
+
+
+def _example_containers() -> Iterator[tuple[str, dict[str, Any]]]:
+    for path in EXAMPLE_FILES:
+        for doc in load_documents(path):
+            for where, template in pod_specs(doc):
+                spec = template["spec"]
+                for container in spec.get("initContainers", []) + spec["containers"]:
+                    yield f"{path.relative_to(REPO)}: {where} {container['name']}", container
+
+
+EXAMPLE_CONTAINERS = list(_example_containers())
+TRAINER_CONTAINERS = [(w, c) for w, c in EXAMPLE_CONTAINERS if _runs_the_trainer(c)]
+
+
 @pytest.mark.parametrize(("where", "template"), WORKERS, ids=[w for w, _ in WORKERS])
 def test_worker_pod_is_wired_to_regroup(where: str, template: dict[str, Any]) -> None:
     job = template["metadata"]["labels"]["regroup.dev/job"]
@@ -336,8 +367,8 @@ def test_worker_pod_is_wired_to_regroup(where: str, template: dict[str, Any]) ->
     assert re.fullmatch(r"\d+/\d+(s|m|h)", annotations["regroup.dev/restart-storm"])
     spec = template["spec"]
     (trainer,) = spec["containers"]
-    command = trainer["command"] + trainer["args"]
-    assert command[:2] == ["/opt/regroup/bin/regroup-entrypoint", "torchrun"]
+    launcher = "torchrun" if _file(where) in TORCHRUN_EXAMPLES else "regroup-run"
+    assert trainer["command"] == [ENTRYPOINT, launcher]
     args = trainer["args"]
     assert _flag(args, "rdzv-backend") == "etcd-v3"
     assert _flag(args, "rdzv-id") == job
@@ -365,6 +396,52 @@ def test_worker_pod_is_wired_to_regroup(where: str, template: dict[str, Any]) ->
     assert "emptyDir" in volumes[init_mount["name"]]
     assert any(m["name"] == init_mount["name"] and m["mountPath"] == init_mount["mountPath"] for m in trainer["volumeMounts"])
     assert spec["terminationGracePeriodSeconds"] >= 60
+
+
+def test_trainer_launching_examples_are_found() -> None:
+    files = {_file(w) for w, _ in TRAINER_CONTAINERS}
+    assert len(files) >= 8, files
+    assert {_file(w) for w, _ in TRAINERS} <= files
+
+
+@pytest.mark.parametrize(("where", "container"), TRAINER_CONTAINERS, ids=[w for w, _ in TRAINER_CONTAINERS])
+def test_every_trainer_launching_example_uses_regroup_run_with_standby(where: str, container: dict[str, Any]) -> None:
+    from rendezvous.inplace.launcher import build_parser
+
+    if _file(where) in TORCHRUN_EXAMPLES:
+        assert container["command"] == [ENTRYPOINT, "torchrun"]
+        return
+    # In-place re-forms, and a joining node starts its workers while the round forms.
+    assert container["command"] == [ENTRYPOINT, "regroup-run"], "the trainer launches with regroup-run, not torchrun"
+    assert container["args"][0] == "--standby"
+    # The launcher's own parser takes the flags: --standby before the script, in place on.
+    parsed = build_parser().parse_args(container["args"])
+    assert parsed.standby is True and parsed.in_place == "auto"
+    assert parsed.module is True and parsed.training_script == "trainer"
+    assert "--standby" not in parsed.training_script_args
+
+
+@pytest.mark.parametrize(("where", "container"), EXAMPLE_CONTAINERS, ids=[w for w, _ in EXAMPLE_CONTAINERS])
+def test_plain_torchrun_only_where_an_example_says_why(where: str, container: dict[str, Any]) -> None:
+    words = container.get("command", []) + container.get("args", [])
+    if not any(w == "torchrun" or w.endswith("/torchrun") or w == "torch.distributed.run" for w in words):
+        return
+    assert _file(where) in TORCHRUN_EXAMPLES, f"{where} launches with torchrun; use regroup-run --standby"
+
+
+@pytest.mark.parametrize("path", sorted(TORCHRUN_EXAMPLES))
+def test_torchrun_exceptions_are_current_and_explained(path: str) -> None:
+    from torch.distributed.run import get_args_parser
+
+    text = (REPO / path).read_text()
+    assert any(line.strip().startswith("#") and "torchrun" in line for line in text.splitlines()), (
+        f"{path} must say in a comment why it keeps torchrun"
+    )
+    containers = [c for w, c in EXAMPLE_CONTAINERS if _file(w) == path and c.get("command", [None])[-1] == "torchrun"]
+    assert containers, f"{path} no longer launches with torchrun: drop it from TORCHRUN_EXAMPLES"
+    for container in containers:
+        assert "--standby" not in container["args"]  # torchrun has no such flag
+        get_args_parser().parse_args(container["args"])
 
 
 def test_checkpoint_claim_is_read_write_many() -> None:

@@ -34,6 +34,19 @@ def test_records_roundtrip_and_tolerate_unknown_fields() -> None:
     assert MemberRecord.from_json(json.dumps(body)) == rec
 
 
+def test_progress_from_an_older_trainer_parses_and_the_resume_report_roundtrips() -> None:
+    old = b'{"v":1,"kind":"progress","step":5,"loss":2.0,"samples_seen":60,"world_size":4,"time":1.5}'
+    progress = Progress.from_json(old)
+    assert (progress.step, progress.round, progress.reform_mode, progress.resume_phases) == (5, 0, "", {})
+    resumed = Progress(step=6, loss=1.9, samples_seen=72, world_size=2, time=2.5, round=3, reform_mode="in-place",
+                       resume_phases={"process_group": 0.4, "reshard": 1.25, "first_step": 0.3})
+    body = json.loads(resumed.to_json())
+    assert (body["round"], body["reform_mode"], body["resume_phases"]["reshard"]) == (3, "in-place", 1.25)
+    assert Progress.from_json(resumed.to_json()) == resumed
+    assert set(resumed.resume_phases) <= set(Progress.RESUME_PHASES)
+    assert "RESUME_PHASES" not in body, "the phase order is the reader's, not part of the record"
+
+
 def test_records_refuse_newer_schema_wrong_kind_and_garbage() -> None:
     body = json.loads(ReformRequest(generation=1, cause="manual").to_json())
     with pytest.raises(RecordError, match="expected a checkpoint record"):

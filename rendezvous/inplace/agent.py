@@ -1,0 +1,251 @@
+"""``InPlaceAgent``: torchrun's ``LocalElasticAgent``, re-forming its running workers in place.
+
+torch's agent answers every membership change by stopping its workers, joining the next
+round and starting new ones. This agent, when its workers opted in (``ElasticWorld``),
+instead announces the re-form in the node's channel, joins the next round while the
+workers live on, assigns their ranks with torch's own protocol (so nodes that start
+workers the usual way can share the round), and hands the workers their new world.
+Everything else is torch's: worker failures, ``--max-restarts``, the exit barrier, logs.
+
+A worker that cannot re-form in place exits non-zero; this agent then restarts it the
+usual way, and the others re-form around it. With ``standby``, workers are started before
+the rendezvous, so a node joining a running job (or restarting its workers) pays for
+interpreter start-up and ``import torch`` while the round forms, not after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.metrics import put_metric
+
+from rendezvous.store import RoundAbandoned
+from rendezvous.inplace.channel import CHANNEL_ENV, STANDBY_ENV, NodeWorld, RankSlot, WorkerReport, write_atomically, WORLD_FILE
+
+log = structlog.get_logger("regroup.inplace.agent")
+
+WARM_TIMEOUT_S = 300.0
+"""How long a standby agent waits for its workers to start up before joining anyway."""
+
+
+class InPlaceAgent(LocalElasticAgent):
+    """A ``LocalElasticAgent`` whose membership changes keep opted-in workers alive."""
+
+    def __init__(
+        self,
+        *args: Any,
+        in_place: bool = True,
+        standby: bool = False,
+        probation: timedelta = timedelta(seconds=5),
+        **kwargs: Any,
+    ) -> None:
+        """``in_place``: re-form opted-in workers in place (False: torch's restart path only).
+        ``standby``: start workers before each rendezvous (the script must use ElasticWorld).
+        ``probation``: after this node's own workers failed, how long it stays out of the
+        next round (the others re-form without it and train on)."""
+        super().__init__(*args, **kwargs)
+        self._in_place = in_place
+        self._standby = standby and in_place
+        self._channel = Path(tempfile.mkdtemp(prefix="regroup-inplace-"))
+        # Workers inherit the agent's environment (as REGROUP_FAILURE_DIR reaches them).
+        os.environ[CHANNEL_ENV] = str(self._channel)
+        self._seq = 0
+        self._rounds = 0
+        self._join_first = False
+        self.in_place_reforms = 0
+        handler = self._worker_group.spec.rdzv_handler
+        if in_place and hasattr(handler, "enable_in_place"):
+            handler.enable_in_place(probation)
+
+    # -- torch's monitor loop, with the membership branch changed ----------------------------
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        spec = self._worker_group.spec
+        role = spec.role
+        self._initialize_workers(self._worker_group)
+        rdzv_handler = spec.rdzv_handler
+        try:
+            while True:
+                time.sleep(spec.monitor_interval)
+                run_result = self._monitor_workers(self._worker_group)
+                state = run_result.state
+                self._worker_group.state = state
+                put_metric(f"workers.{role}.remaining_restarts", self._remaining_restarts)
+                put_metric(f"workers.{role}.{state.name.lower()}", 1)
+                if state == WorkerState.SUCCEEDED:
+                    self._exit_barrier()
+                    return run_result
+                if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                    if self._remaining_restarts > 0:
+                        log.info("worker group failed; restarting it", state=state.name,
+                                 restarts_left=self._remaining_restarts)
+                        self._remaining_restarts -= 1
+                        # The others wait on this node's dead ranks: re-enter the rendezvous
+                        # at once (they re-form without it), not after the new workers warm up.
+                        self._join_first = True
+                        self._restart_workers(self._worker_group)
+                        continue
+                    self._stop_workers(self._worker_group)
+                    self._worker_group.state = WorkerState.FAILED
+                    return run_result
+                if state != WorkerState.HEALTHY:
+                    raise RuntimeError(f"[{role}] worker group in {state.name} state")
+                # Membership changes do not count as restarts.
+                if rdzv_handler.num_nodes_waiting() > 0:
+                    if self._workers_opted_in():
+                        self._reform_in_place(self._worker_group)
+                    else:
+                        self._restart_workers(self._worker_group)
+        finally:
+            shutil.rmtree(self._channel, ignore_errors=True)
+
+    # -- starting workers ----------------------------------------------------------------------
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if not self._standby:
+            super()._initialize_workers(worker_group)
+            return
+        # Workers first, rendezvous second: they import torch while the round forms, then
+        # read their ranks from the channel. Nothing of an earlier world may be read as theirs.
+        self._announce("starting workers ahead of the rendezvous")
+        spec = worker_group.spec
+        worker_group.workers = [Worker(local_rank=i) for i in range(spec.local_world_size)]
+        worker_group.store = dist.HashStore()  # not used by standby workers; torch requires one
+        worker_group.master_addr, worker_group.master_port = "", 0
+        worker_group.group_rank, worker_group.group_world_size = -1, -1
+        os.environ[STANDBY_ENV] = "1"
+        try:
+            ids = self._start_workers(worker_group)
+        finally:
+            os.environ.pop(STANDBY_ENV, None)
+        worker_group.state = WorkerState.HEALTHY
+        if not self._join_first:
+            self._await_warm_workers(ids)
+        self._join_first = False
+        self._rendezvous(worker_group)
+        for local_rank, worker_id in ids.items():
+            worker_group.workers[local_rank].id = worker_id
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        handler = worker_group.spec.rdzv_handler
+        while True:
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except RoundAbandoned as exc:
+                # An agent of the round vanished while ranks were being assigned (a node
+                # cordoned and deleted right after it joined): join the next round instead.
+                log.warning("round abandoned while assigning ranks; joining the next", reason=str(exc))
+                getattr(handler, "abandon_round", lambda: None)()
+        self._rounds += 1
+        self._publish(worker_group, pending=False, reason="round formed")
+
+    def _await_warm_workers(self, ids: dict[int, Any]) -> None:
+        """Join the round only once every worker has started up (imported torch and reached
+        ``ElasticWorld.join``), so the round never waits on a cold interpreter. A worker
+        that exits meanwhile is left to the monitor loop; one that never reports is given
+        ``WARM_TIMEOUT_S`` (it may not use ElasticWorld: it then fails without its rank)."""
+        deadline = time.monotonic() + WARM_TIMEOUT_S
+        pending = dict(ids)
+        while pending and time.monotonic() < deadline:
+            for local_rank, pid in list(pending.items()):
+                report = WorkerReport.read(self._channel, local_rank)
+                if report is not None and report.pid == pid:
+                    pending.pop(local_rank)
+            if pending and self._pcontext is not None and self._pcontext.wait(0) is not None:
+                return  # a worker exited: the monitor loop deals with it after the rendezvous
+            time.sleep(0.02)
+        if pending:
+            log.warning("workers did not report within the warm-up timeout; joining anyway",
+                        local_ranks=sorted(pending), timeout_s=WARM_TIMEOUT_S)
+
+    # -- the in-place path ------------------------------------------------------------------------
+
+    def _workers_opted_in(self) -> bool:
+        """Every local worker takes part in in-place re-forms (standby workers always do)."""
+        if not self._in_place or self._pcontext is None:
+            return False
+        if self._standby:
+            return True
+        for local_rank, pid in self._pcontext.pids().items():
+            report = WorkerReport.read(self._channel, local_rank)
+            if report is None or report.pid != pid:
+                return False
+        return True
+
+    def _reform_in_place(self, worker_group: WorkerGroup) -> None:
+        """Announce, join the next round with the workers alive, hand them their new world."""
+        started = time.monotonic()
+        handler = worker_group.spec.rdzv_handler
+        leaving = bool(getattr(handler, "left_out", lambda: False)())
+        self._announce("leaving the job" if leaving else "membership changed", leaving=leaving)
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        self._rendezvous(worker_group)
+        # The rank assignment made new Worker records: they are still the same processes.
+        for worker in worker_group.workers:
+            worker.id = pids.get(worker.local_rank)
+        self.in_place_reforms += 1
+        log.info(
+            "re-formed in place",
+            group_rank=worker_group.group_rank,
+            group_world_size=worker_group.group_world_size,
+            ranks=[w.global_rank for w in worker_group.workers],
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    # -- the channel --------------------------------------------------------------------------------
+
+    def _announce(self, reason: str, leaving: bool = False) -> None:
+        """Tell the workers to leave their process group at the next step boundary."""
+        current = NodeWorld.read(self._channel)
+        self._write(
+            NodeWorld(
+                seq=0,
+                round=current.round if current else 0,
+                pending=True,
+                master_addr="",
+                master_port=0,
+                group_rank=-1,
+                group_world_size=-1,
+                reason=reason,
+                leaving=leaving,
+            )
+        )
+
+    def _publish(self, worker_group: WorkerGroup, *, pending: bool, reason: str) -> None:
+        spec = worker_group.spec
+        handler = spec.rdzv_handler
+        slots = {
+            str(w.local_rank): RankSlot(w.global_rank, w.world_size, w.role_rank, w.role_world_size)
+            for w in worker_group.workers
+        }
+        self._write(
+            NodeWorld(
+                seq=0,
+                round=int(getattr(handler, "round", self._rounds)),
+                pending=pending,
+                master_addr=str(worker_group.master_addr),
+                master_port=int(worker_group.master_port or 0),
+                group_rank=int(worker_group.group_rank or 0),
+                group_world_size=int(worker_group.group_world_size or 0),
+                slots=slots,
+                restart_count=spec.max_restarts - self._remaining_restarts,
+                reason=reason,
+                traceparent=str(getattr(handler, "traceparent", "")),
+            )
+        )
+
+    def _write(self, world: NodeWorld) -> None:
+        self._seq += 1
+        stamped = NodeWorld(**{**world.__dict__, "seq": self._seq, "written_at": time.time()})
+        write_atomically(self._channel / WORLD_FILE, stamped.to_json())

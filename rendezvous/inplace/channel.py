@@ -1,0 +1,135 @@
+"""The per-node channel between an in-place agent and its workers: two kinds of files.
+
+The agent owns ``world.json`` (a ``NodeWorld``): what world its workers are in, or that a
+re-form is pending. It replaces the file atomically; workers only read it (a ``stat`` per
+step boundary, a read when it changed). Each worker owns ``worker-<local_rank>.json`` (a
+``WorkerReport``): its pid, that it takes part in in-place re-forms, and the round it runs.
+Files, not sockets: either side may die or restart at any moment and the other reads the
+last state written, nothing is buffered, and nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from regroup.records import Record, RecordError
+
+CHANNEL_ENV = "REGROUP_INPLACE_DIR"
+"""Set by the in-place agent in its workers' environment: the channel folder."""
+STANDBY_ENV = "REGROUP_STANDBY"
+"""``1`` when the worker was started before its rank was known: it waits for ``world.json``."""
+
+WORLD_FILE = "world.json"
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One local worker's place in the world (what torchrun puts in RANK, WORLD_SIZE...)."""
+
+    rank: int
+    world_size: int
+    role_rank: int
+    role_world_size: int
+
+
+@dataclass(frozen=True)
+class NodeWorld(Record):
+    """``world.json``: the world this node's workers belong to, written by the agent.
+
+    ``seq`` grows with every write. ``pending`` says a re-form has begun and the workers
+    should leave their process group at the next step boundary; the round and ranks are
+    then still the old ones. A write with ``pending`` false and a newer ``round`` is the
+    new world.
+    """
+
+    kind: ClassVar[str] = "node-world"
+    seq: int
+    round: int
+    pending: bool
+    master_addr: str
+    master_port: int
+    group_rank: int
+    group_world_size: int
+    slots: dict[str, RankSlot] = field(default_factory=dict)
+    """Local rank (as a string: JSON keys) -> its place."""
+    restart_count: int = 0
+    reason: str = ""
+    leaving: bool = False
+    """With ``pending``: this node is left out of the next world (the controller's expected
+    membership excludes it). Its workers hand their shards to survivors before they go."""
+    traceparent: str = ""
+    """W3C traceparent of the controller request the re-form answers, if any."""
+    written_at: float = 0.0
+
+    def slot(self, local_rank: int) -> RankSlot:
+        raw = self.slots[str(local_rank)]
+        return raw if isinstance(raw, RankSlot) else RankSlot(**raw)  # type: ignore[arg-type]
+
+    @classmethod
+    def read(cls, folder: Path) -> NodeWorld | None:
+        try:
+            return cls.from_json((folder / WORLD_FILE).read_bytes())
+        except (OSError, RecordError):
+            return None
+
+
+@dataclass(frozen=True)
+class WorkerReport(Record):
+    """``worker-<local_rank>.json``: a worker that takes part in in-place re-forms."""
+
+    kind: ClassVar[str] = "worker-report"
+    local_rank: int
+    pid: int
+    round: int
+    """The round of the process group it runs in (0: none yet)."""
+    state: str
+    """``waiting`` (for a world), ``running`` or ``leaving`` (its old group)."""
+    written_at: float = 0.0
+
+    @classmethod
+    def read(cls, folder: Path, local_rank: int) -> WorkerReport | None:
+        try:
+            return cls.from_json((folder / report_name(local_rank)).read_bytes())
+        except (OSError, RecordError):
+            return None
+
+
+def report_name(local_rank: int) -> str:
+    return f"worker-{local_rank}.json"
+
+
+def write_atomically(path: Path, body: bytes) -> None:
+    """Replace ``path`` with ``body`` so that a reader sees the old or the new file, whole."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.write(fd, body)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class WorldFile:
+    """A cheap change detector for ``world.json``: re-reads only when its inode, mtime or
+    size moved (every write replaces the file, so a new write is a new inode)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / WORLD_FILE
+        self._stamp: tuple[int, int, int] | None = None
+        self.latest: NodeWorld | None = None
+
+    def poll(self) -> NodeWorld | None:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return self.latest
+        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if stamp != self._stamp:
+            world = NodeWorld.read(self.path.parent)
+            if world is not None:
+                self._stamp = stamp
+                self.latest = world
+        return self.latest

@@ -1,0 +1,71 @@
+"""``regroup-run``: torchrun whose agent re-forms opted-in workers in place.
+
+It is torch's own ``torchrun`` (the same parser, flags, environment contract for the
+script, error files and exit codes) with ``InPlaceAgent`` in place of ``LocalElasticAgent``,
+plus flags of its own::
+
+    regroup-run --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd:2379 --rdzv-id=$JOB \\
+                --nnodes=2:4 --nproc-per-node=8 [--standby] [--in-place=off] -m trainer ...
+
+``--in-place=off`` forces torch's restart path; ``--standby`` starts the workers before
+each rendezvous (only for scripts that use ``ElasticWorld``, which read their rank from
+the agent instead of the environment); ``--probation`` keeps a node whose own workers
+failed out of the next round for a while, so the others train on without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from datetime import timedelta
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def build_parser():  # type: ignore[no-untyped-def]
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "regroup-run"
+    parser.add_argument(
+        "--in-place",
+        dest="in_place",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: workers that use ElasticWorld survive membership changes; off: restart them (torchrun's way)",
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="start workers before each rendezvous (scripts using ElasticWorld only)",
+    )
+    parser.add_argument(
+        "--probation",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="after this node's own workers failed, stay out of the next round this long (default 5)",
+    )
+    return parser
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.run import run
+
+    from rendezvous.inplace.agent import InPlaceAgent
+
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # torch's launch_agent builds its agent from this module attribute; the rest is torch's.
+    launcher_api.LocalElasticAgent = functools.partial(  # type: ignore[misc]
+        InPlaceAgent,
+        in_place=args.in_place == "auto",
+        standby=args.standby,
+        probation=timedelta(seconds=args.probation),
+    )
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

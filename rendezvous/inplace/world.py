@@ -1,0 +1,360 @@
+"""``ElasticWorld``: what a training script calls to survive re-forms in place.
+
+Under ``regroup-run`` the agent does not restart its workers when the job's membership
+changes. It announces the re-form in the node's channel (``rendezvous.inplace.channel``),
+joins the next round itself, and hands each worker its new rank. A worker that opted in
+leaves its process group at a step boundary, forms the new one, and carries on in the
+same process: no re-import, no new CUDA context, its model still in memory::
+
+    world = ElasticWorld.join(backend="gloo")          # instead of init_process_group()
+    model, optimizer = build(world)
+    while step < max_steps:
+        try:
+            train_step(model, optimizer)
+            if world.reform_due():                      # cheap: a stat() of the channel
+                raise Interrupted("re-form announced")  # (or fold it into your own agreement)
+        except Exception as exc:
+            if not world.interrupted(exc):
+                raise                                   # a bug of ours: fail as usual
+            world.leave()
+            world.rejoin()                              # new rank, world size, process group
+            model, optimizer = rebuild_and_restore(world)
+
+A collective blocked on a dead or hung peer does not hang the survivor: once the re-form
+is announced and the worker has not left within ``abort_grace``, a watcher thread severs
+the process group's connections (gloo) or aborts its communicators (NCCL), so the call
+raises and the loop above takes over. Under plain ``torchrun`` (no channel) ``join`` is
+``init_process_group`` from the environment, ``in_place`` is False and ``interrupted``
+always False: the worker fails and torchrun restarts it, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import structlog
+import torch.distributed as dist
+
+from regroup.failures import PEER, failure_kind
+from rendezvous.inplace.abort import abort_groups, sever_connections, socket_inodes
+from rendezvous.inplace.channel import (
+    CHANNEL_ENV,
+    STANDBY_ENV,
+    NodeWorld,
+    WorkerReport,
+    WorldFile,
+    report_name,
+    write_atomically,
+)
+
+log = structlog.get_logger("regroup.inplace.world")
+
+_POLL_S = 0.02
+
+
+class Interrupted(Exception):
+    """The current world is being re-formed (or a peer vanished): leave and rejoin."""
+
+
+class ReformFailed(RuntimeError):
+    """This worker could not take part in the re-form in place; it should exit non-zero so
+    its agent restarts it (the restart path)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The world this process runs in."""
+
+    round: int
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    group_rank: int = 0
+    group_world_size: int = 1
+    restart_count: int = 0
+    traceparent: str = ""
+    seq: int = 0
+
+
+class ElasticWorld:
+    """One worker's membership of the job, kept across in-place re-forms."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        backend: str,
+        timeout: timedelta,
+        abort_grace: timedelta,
+        keep_ports: Iterable[int],
+    ) -> None:
+        self.backend = backend
+        self.timeout = timeout
+        self.abort_grace = abort_grace
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        channel = env.get(CHANNEL_ENV)
+        self.channel = Path(channel) if channel else None
+        self.standby = env.get(STANDBY_ENV) == "1"
+        self._env = dict(env)
+        self._keep_ports = set(keep_ports)
+        self._file = WorldFile(self.channel) if self.channel else None
+        self._lock = threading.Lock()
+        self._baseline: set[str] = set()
+        self._left = True
+        self._due_since: float | None = None
+        self._aborted = False
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.membership: Membership | None = None
+        self.formed: int = 0
+        """How many worlds this process has formed (1 after ``join``)."""
+        self.last_process_group_s = 0.0
+        """Seconds the last ``join``/``rejoin`` spent creating the process group."""
+
+    # -- the API ---------------------------------------------------------------------------
+
+    @classmethod
+    def join(
+        cls,
+        backend: str = "gloo",
+        *,
+        timeout: timedelta = timedelta(minutes=10),
+        abort_grace: timedelta = timedelta(seconds=1),
+        keep_ports: Iterable[int] = (),
+        env: Mapping[str, str] | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> ElasticWorld:
+        """Form this worker's first world (the default process group).
+
+        ``timeout``: of the process group's collectives, and of the wait for a world when
+        started ahead of the rendezvous. ``abort_grace``: how long a worker may take to reach
+        a step boundary after a re-form is announced before its blocked collectives are made
+        to fail. ``keep_ports``: remote ports of connections never severed (your etcd)."""
+        world = cls(dict(os.environ) if env is None else env, backend, timeout, abort_grace, keep_ports)
+        world._report("waiting", 0)
+        world._form(world._first_membership(stop), stop)
+        if world.in_place:
+            world._watcher = threading.Thread(target=world._watch, name="inplace-watch", daemon=True)
+            world._watcher.start()
+        return world
+
+    @property
+    def in_place(self) -> bool:
+        """Whether this worker runs under an in-place agent (``regroup-run``)."""
+        return self.channel is not None
+
+    @property
+    def rank(self) -> int:
+        assert self.membership is not None
+        return self.membership.rank
+
+    @property
+    def world_size(self) -> int:
+        assert self.membership is not None
+        return self.membership.world_size
+
+    @property
+    def round(self) -> int:
+        return self.membership.round if self.membership else 0
+
+    def reform_due(self) -> bool:
+        """A re-form of this worker's world is announced (no communication: a ``stat``)."""
+        latest = self._file.poll() if self._file else None
+        return latest is not None and self._supersedes(latest)
+
+    def announcement(self, timeout: timedelta) -> NodeWorld | None:
+        """This node's announcement of the re-form that ends the current world (``pending``,
+        with ``leaving`` set when this node is left out), waited for up to ``timeout``: the
+        agreed boundary may come from another node's agent first. None if none came."""
+        if self._file is None or self.membership is None:
+            return None
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            latest = self._file.poll()
+            if latest is not None and self._supersedes(latest):
+                return latest  # the announcement, or already the next world (not leaving, then)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def interrupted(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (raised by a collective or by ``Interrupted``) means: leave and
+        rejoin. True for ``Interrupted``, and for a failed collective while a re-form is due,
+        after this watcher aborted the groups, or when a peer went away."""
+        if not self.in_place:
+            return False
+        if isinstance(exc, Interrupted):
+            return True
+        return self._aborted or self.reform_due() or failure_kind(exc) == PEER
+
+    def leave(self) -> None:
+        """Drop the current process groups (aborting what may still wait on a peer)."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = True
+            if not self._aborted:
+                sever_connections(self._baseline, self._keep_ports)
+            abort_groups()
+            self._aborted = False
+            self._due_since = None
+        self._report("leaving", self.round)
+
+    def rejoin(self, stop: Callable[[], bool] = lambda: False, timeout: timedelta | None = None) -> Membership:
+        """Wait for the agent to hand out the next world and form it; the new membership.
+
+        Raises ``ReformFailed`` when no world comes within ``timeout`` (default: the
+        world's timeout), or when ``stop()`` turns true while waiting."""
+        if not self.in_place:
+            raise ReformFailed("not started by an in-place agent (regroup-run)")
+        self.leave()
+        old = self.round
+        self._report("waiting", old)
+        membership = self._await_world(lambda w: not w.pending and w.round > old, stop, timeout or self.timeout)
+        self._form(membership, stop)
+        return membership
+
+    def close(self) -> None:
+        self._stop_watch.set()
+        if self.channel is not None:
+            try:
+                (self.channel / report_name(self.local_rank)).unlink()
+            except OSError:
+                pass
+
+    # -- forming a world ---------------------------------------------------------------------
+
+    def _first_membership(self, stop: Callable[[], bool]) -> Membership:
+        if self.channel is None:
+            return self._from_env()
+        if self.standby:
+            # Started ahead of the rendezvous: the agent writes our world once the round forms.
+            return self._await_world(lambda w: not w.pending, stop, self.timeout)
+        current = self._file.poll() if self._file else None
+        if current is None:
+            return self._from_env()
+        # The agent may have re-formed while this process started: its file is the newest word.
+        return self._await_world(lambda w: not w.pending, stop, self.timeout)
+
+    def _from_env(self) -> Membership:
+        env = self._env
+        return Membership(
+            round=0,
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=self.local_rank,
+            master_addr=env.get("MASTER_ADDR", ""),
+            master_port=int(env.get("MASTER_PORT", "0") or 0),
+            group_rank=int(env.get("GROUP_RANK", "0")),
+            group_world_size=int(env.get("GROUP_WORLD_SIZE", "1")),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
+
+    def _await_world(
+        self, ready: Callable[[NodeWorld], bool], stop: Callable[[], bool], timeout: timedelta
+    ) -> Membership:
+        assert self._file is not None
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            world = self._file.poll()
+            if world is not None and ready(world):
+                slot = world.slot(self.local_rank)
+                return Membership(
+                    round=world.round,
+                    rank=slot.rank,
+                    world_size=slot.world_size,
+                    local_rank=self.local_rank,
+                    master_addr=world.master_addr,
+                    master_port=world.master_port,
+                    group_rank=world.group_rank,
+                    group_world_size=world.group_world_size,
+                    restart_count=world.restart_count,
+                    traceparent=world.traceparent,
+                    seq=world.seq,
+                )
+            if stop():
+                raise ReformFailed("stopped while waiting for the next world")
+            if time.monotonic() >= deadline:
+                raise ReformFailed(f"no world handed out within {timeout}")
+            time.sleep(_POLL_S)
+
+    def _form(self, membership: Membership, stop: Callable[[], bool]) -> None:
+        started = time.perf_counter()
+        self._baseline = socket_inodes()
+        if membership.master_addr:
+            dist.init_process_group(
+                self.backend,
+                init_method=f"tcp://{_bracket(membership.master_addr)}:{membership.master_port}",
+                rank=membership.rank,
+                world_size=membership.world_size,
+                timeout=self.timeout,
+            )
+        else:
+            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+        self.last_process_group_s = time.perf_counter() - started
+        with self._lock:
+            self.membership = membership
+            self._left = False
+            self._aborted = False
+            self._due_since = None
+        self.formed += 1
+        self._report("running", membership.round)
+        log.info(
+            "world formed",
+            round=membership.round,
+            rank=membership.rank,
+            world_size=membership.world_size,
+            process_group_s=round(self.last_process_group_s, 3),
+        )
+
+    def _supersedes(self, world: NodeWorld) -> bool:
+        membership = self.membership
+        if membership is None:
+            return False
+        return world.seq > membership.seq and (world.pending or world.round > membership.round)
+
+    # -- the watcher -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Abort the groups of a world whose re-form is announced, once ``abort_grace`` has
+        passed without the main thread leaving it (it is blocked in a collective)."""
+        while not self._stop_watch.wait(_POLL_S):
+            due = self.reform_due()
+            with self._lock:
+                if self._left or self._aborted:
+                    continue
+                if not due:
+                    self._due_since = None
+                    continue
+                now = time.monotonic()
+                if self._due_since is None:
+                    self._due_since = now
+                if now - self._due_since < self.abort_grace.total_seconds():
+                    continue
+                severed = sever_connections(self._baseline, self._keep_ports)
+                if "nccl" in self.backend:
+                    abort_groups()  # ncclCommAbort wakes the blocked call from this thread
+                self._aborted = True
+            log.warning("re-form announced and this worker is still inside a collective; aborting it",
+                        round=self.round, severed=severed)
+
+    def _report(self, state: str, round: int) -> None:
+        if self.channel is None:
+            return
+        report = WorkerReport(local_rank=self.local_rank, pid=os.getpid(), round=round, state=state,
+                              written_at=time.time())
+        try:
+            write_atomically(self.channel / report_name(self.local_rank), report.to_json())
+        except OSError as exc:
+            log.warning("could not write the worker report", error=str(exc))
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

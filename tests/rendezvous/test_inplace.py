@@ -1,0 +1,193 @@
+"""Workers survive re-forms in place under ``regroup-run``: same processes, new world.
+
+Real etcd, real ``regroup-run`` agents, the real trainer on gloo, real checkpoints. The
+test plays the controller where a scenario needs one, by writing its etcd records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from regroup.etcd_server import EtcdServer
+from tests.rendezvous.inplace_job import InPlaceJob, wait_for
+from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
+from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL
+from trainer.checkpoint import latest_committed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterator[InPlaceJob]:
+    running = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def _start(job: InPlaceJob, nodes: list[str], **kwargs: object) -> dict[str, list[int]]:
+    for node in nodes:
+        job.start(node, **kwargs)  # type: ignore[arg-type]
+    job.await_progress(f"{len(nodes)} ranks training", lambda p: p.world_size == len(nodes) and p.step >= 3)
+    pids = {node: job.workers(node) for node in nodes}
+    assert all(len(p) == 1 for p in pids.values()), pids
+    return pids
+
+
+def test_survivors_keep_their_processes_across_an_unplanned_loss_and_a_grow(job: InPlaceJob) -> None:
+    pids = _start(job, ["a", "b", "c"])
+    before = job.await_progress("a committed checkpoint", lambda p: (p.extra.get("last_committed_step") or 0) >= 5)
+
+    job.kill_node("c")  # no notice: the agents learn it through c's lease
+    shrunk = job.await_progress(
+        "training at 2 ranks after the loss", lambda p: p.world_size == 2 and p.step > p.resumed_from_step
+    )
+    assert shrunk.reform_mode == "in-place"
+    assert {"process_group", "load", "first_step"} <= set(shrunk.resume_phases)
+    # Survivors roll back to the newest committed checkpoint: never a partial one, never ahead.
+    assert before.extra["last_committed_step"] <= shrunk.resumed_from_step <= before.step + 5
+    assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
+
+    job.start("c")  # c comes back; with no controller the agents grow the job themselves
+    grown = job.await_progress("training at 3 ranks again", lambda p: p.world_size == 3 and p.round > shrunk.round)
+    assert grown.reform_mode == "in-place"
+    assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
+    for node in ("a", "b"):
+        # The agents re-formed without restarting anything.
+        assert not job.events(node, "worker group failed; restarting it"), job.log(node)[-3000:]
+
+
+def test_a_planned_shrink_and_grow_in_place_lose_no_step_and_keep_the_survivors(job: InPlaceJob) -> None:
+    job.claim_control()
+    pids = _start(job, ["a", "b", "c"])
+
+    ack = job.checkpoint(1)
+    job.reform(1, ["a", "b"], cause="reclaim")
+    assert job.procs["c"].wait(60) == 0, "the node left out of the round exits cleanly"
+    shrunk = job.await_progress("training at 2 ranks", lambda p: p.world_size == 2 and p.step > ack.step)
+    assert (shrunk.resumed_from_step, shrunk.reform_mode) == (ack.step, "in-place")  # 0 steps lost
+    # c handed its shards to a survivor before it left: nothing was read back from disk.
+    assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
+    assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
+
+    job.start("c")
+    wait_for(lambda: "c" in job.members(), 60, "c registering as a joiner")
+    ack = job.checkpoint(2)
+    job.reform(2, ["a", "b", "c"], cause="grow")
+    grown = job.await_progress("training at 3 ranks", lambda p: p.world_size == 3 and p.step > ack.step)
+    assert (grown.resumed_from_step, grown.reform_mode) == (ack.step, "in-place")
+    assert "reshard" in grown.resume_phases and "load" not in grown.resume_phases, grown.resume_phases
+    assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
+
+
+def test_a_worker_that_cannot_reform_in_place_falls_back_to_a_restart(
+    etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    # Rank 1 (node b) fails its first in-place re-form: its agent restarts it the usual way,
+    # and the job still re-forms around it.
+    faults = [{"kind": "refuse_reform", "rank": 1, "step": 1}]
+    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer={"faults": faults})
+    try:
+        pids = _start(job, ["a", "b", "c"])
+        job.kill_node("c")
+        job.await_progress("training at 2 ranks after the fallback", lambda p: p.world_size == 2 and p.step > p.resumed_from_step + 2)
+        assert job.workers("a") == pids["a"], "a re-formed in place"
+        assert job.workers("b") and job.workers("b") != pids["b"], "b's worker was restarted"
+        refused = job.events("b", "in-place re-form failed; falling back to a restart")
+        assert refused and "injected" in refused[0]["error"]
+        # The fallback is not charged to b as a fault of its own (no restart storm from it).
+        assert job.members()["b"]["restart_count"] == 0
+    finally:
+        job.close()
+
+
+def test_plain_torchrun_keeps_the_restart_path(job: InPlaceJob) -> None:
+    """``--in-place=off`` is torchrun's way: every membership change restarts the workers."""
+    pids = _start(job, ["a", "b", "c"], in_place="off", standby=False)
+    job.await_progress("a committed checkpoint", lambda p: (p.extra.get("last_committed_step") or 0) >= 5)
+    job.kill_node("c")
+    shrunk = job.await_progress(
+        "training at 2 ranks", lambda p: p.world_size == 2 and p.step > p.resumed_from_step > 0
+    )
+    assert shrunk.reform_mode == "restart"
+    assert "startup" in shrunk.resume_phases and "load" in shrunk.resume_phases
+    assert all(job.workers(n) != pids[n] for n in ("a", "b"))
+    committed = latest_committed(job.root / "ckpt")
+    assert committed is not None and committed >= shrunk.resumed_from_step
+
+
+
+def test_in_place_and_restart_reforms_follow_the_uninterrupted_trajectory(
+    etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    """Shrink 3 -> 2 and grow back, planned, with a surviving in place and b restarted each
+    time (``--in-place=off``): every step's loss and the final parameters match a run that
+    never changed size, and every sample is trained exactly once."""
+    steps = 150
+    common = {
+        "batch": {"global_batch_size": 12, "max_micro_batch_size": 2},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": steps},
+        "max_steps": steps,
+        "log_every": 1,
+    }
+    straight_cfg = write_config(
+        tmp_path / "straight.yaml",
+        **common,
+        checkpoint={"dir": str(tmp_path / "straight" / "ckpt")},
+        data={"sample_log": str(tmp_path / "straight" / "samples")},
+    )
+    straight = check(torchrun(3, straight_cfg, worker_env, timeout=300))
+
+    trainer = {**common, "step_time_floor": "100ms", "data": {"sample_log": str(tmp_path / "job" / "samples")}}
+    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
+    try:
+        job.claim_control()
+        job.start("a")
+        job.start("b", in_place="off", standby=False)
+        job.start("c")
+        job.await_progress("3 ranks training", lambda p: p.world_size == 3 and p.step >= 5)
+        pid_a = job.workers("a")
+        ack = job.checkpoint(1)
+        job.reform(1, ["a", "b"], cause="reclaim")
+        job.await_progress("2 ranks training", lambda p: p.world_size == 2 and p.step >= ack.step + 5)
+        job.start("c")
+        wait_for(lambda: "c" in job.members(), 60, "c registering as a joiner")
+        ack = job.checkpoint(2)
+        assert ack.step < steps - 5, "the run must still have steps to train at 3 ranks"
+        job.reform(2, ["a", "b", "c"], cause="grow")
+        for node in ("a", "b", "c"):
+            assert job.procs[node].wait(120) == 0, job.log(node)[-3000:]
+        assert job.workers("a") == [] and job.events("a", "re-formed in place")
+    finally:
+        job.close()
+    assert pid_a, "a trained in the first world"
+
+    expected = step_losses(straight.stderr)
+    got: dict[int, float] = {}
+    for node in ("a", "b", "c"):  # rank 0 logs each step; which node holds rank 0 may change
+        got.update(step_losses(job.log(node)))
+    assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
+    a = flat_tensors(full_state(tmp_path / "straight" / "ckpt", steps, tmp_path))
+    b = flat_tensors(full_state(job.root / "ckpt", steps, tmp_path))
+    assert sorted(a) == sorted(b)
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+    assert worst < PARAM_ATOL, f"largest parameter/optimizer-state difference {worst}"
+    for folder in (tmp_path / "straight" / "samples", tmp_path / "job" / "samples"):
+        counts = Counter(_sample_ids(folder))
+        assert sorted(counts) == list(range(steps * 12)) and set(counts.values()) == {1}
+
+
+def _sample_ids(folder: Path) -> list[int]:
+    ids: list[int] = []
+    for path in sorted(folder.glob("samples-*.jsonl")):
+        for line in path.read_text().splitlines():
+            ids += json.loads(line)["ids"]
+    return ids

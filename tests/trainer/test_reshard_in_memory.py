@@ -1,0 +1,134 @@
+"""Growing the world in memory: survivors send their FSDP2 shards over the new process
+group and the grown world lands on the new sharding without reading a checkpoint.
+
+Three real processes on gloo (``reshard_memory_worker``): a world of 2 trains two steps,
+holds its shards, then a world of 3 (the two survivors and a newcomer) redistributes them;
+finally a world of 2 that lacks old rank 1 must refuse. Widths do not divide by 3 (most
+not by 2), so the old and new chunks are uneven. Both scenarios (survivors keep their
+ranks, survivors permuted) run one after the other in the same three processes, so the
+second also covers processes that change rank between worlds of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.reshard import can_redistribute
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+SCENARIOS = {"survivors-keep-ranks": [0, 1, 2], "survivors-permuted": [2, 0, 1]}
+"""Name -> the new rank of each process (0 and 1 held old ranks 0 and 1; 2 is the newcomer)."""
+
+
+def _run_workers(out: Path, timeout: float = 180) -> None:
+    # The test hosts the store on a port the kernel picked: no port is guessed.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    spec = json.dumps({"port": store.port, "out": str(out), "scenarios": SCENARIOS})
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    argv = [sys.executable, "-m", "tests.trainer.reshard_memory_worker", spec]
+    logs = [out / f"proc-{p}.log" for p in range(3)]
+    procs = []
+    for p, log in enumerate(logs):
+        # Output to files, not pipes: a full pipe would block a worker while nobody reads it.
+        with log.open("w") as sink:
+            procs.append(subprocess.Popen([*argv, str(p)], env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported below with every process's output
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for p, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"process {p} exited {proc.returncode} (-9: at the timeout):\n{log.read_text()}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run of the three processes through every scenario (they import torch once)."""
+    out = tmp_path_factory.mktemp("reshard-in-memory")
+    _run_workers(out)
+    return out
+
+
+@pytest.fixture(params=sorted(SCENARIOS))
+def grown(request: pytest.FixtureRequest, runs: Path) -> Path:
+    """The folder of one scenario."""
+    return runs / request.param
+
+
+def _assert_identical(left: Any, right: Any, where: str = "") -> None:
+    if isinstance(left, torch.Tensor):
+        assert isinstance(right, torch.Tensor) and torch.equal(left, right), where
+    elif isinstance(left, dict):
+        assert isinstance(right, dict) and sorted(left) == sorted(right), where
+        for key in left:
+            _assert_identical(left[key], right[key], f"{where}/{key}")
+    elif isinstance(left, list | tuple):
+        assert isinstance(right, list | tuple) and len(left) == len(right), where
+        for index, (a, b) in enumerate(zip(left, right, strict=True)):
+            _assert_identical(a, b, f"{where}[{index}]")
+    else:
+        assert left == right, where
+
+
+def _results(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"proc-{p}.json").read_text()) for p in range(3)]
+
+
+def test_can_redistribute_needs_every_old_rank_once_at_one_step() -> None:
+    assert can_redistribute([(0, 2, 5), (1, 2, 5), None])
+    assert can_redistribute([None, (1, 2, 5), (0, 2, 5)])
+    assert can_redistribute([(0, 1, 5), None, None])
+    assert not can_redistribute([(0, 2, 5), None, None]), "old rank 1 is missing"
+    assert not can_redistribute([(0, 2, 5), (0, 2, 5), None]), "old rank 0 twice, 1 missing"
+    assert not can_redistribute([(0, 2, 5), (1, 2, 5), (1, 2, 5)]), "old rank 1 twice"
+    assert not can_redistribute([(0, 2, 5), (1, 2, 6), None]), "steps disagree"
+    assert not can_redistribute([(0, 2, 5), (1, 3, 5), None]), "old world sizes disagree"
+    assert not can_redistribute([None, None]), "nobody holds state"
+
+
+def test_grow_lands_on_the_exact_old_state_without_a_checkpoint(grown: Path) -> None:
+    old = torch.load(grown / "old.pt")
+    new = torch.load(grown / "grown.pt")
+    assert any(t.shape[0] % 3 for t in old["model"].values()), "some old and new chunks must be uneven"
+    assert old["optim"]["state"], "the old world must have optimizer state to carry"
+    _assert_identical(new["model"], old["model"], "model")
+    _assert_identical(new["optim"], old["optim"], "optim")
+    assert {g["lr"] for g in new["optim"]["param_groups"]} == {3e-3}
+    assert [r["step"] for r in _results(grown)] == [2, 2, 2]
+
+
+def test_grown_world_steps_like_one_that_loaded_the_full_state(grown: Path) -> None:
+    results = _results(grown)
+    assert {r["grown_loss"] for r in results} == {results[0]["reference_loss"]}
+    _assert_identical(torch.load(grown / "grown-after.pt"), torch.load(grown / "reference-after.pt"))
+    before, after = torch.load(grown / "grown.pt")["model"], torch.load(grown / "grown-after.pt")["model"]
+    assert any(not torch.equal(after[k], before[k]) for k in after), "the step must change the model"
+
+
+def test_shrink_refuses_on_every_rank_instead_of_hanging(grown: Path) -> None:
+    results = _results(grown)
+    errors = [r.get("shrink_error") for r in results]
+    assert errors[1] is None, "old rank 1 stays out of the shrunk world"
+    assert errors[0] is not None and errors[0] == errors[2]
+    assert "do not cover the old world 0..1" in errors[0]

@@ -1,0 +1,264 @@
+"""Growing the world in memory: survivors of a re-form keep their FSDP2 shards and send
+them over the new process group, newcomers receive theirs; no checkpoint is read.
+
+The state is the one DCP checkpoints hold (``get_state_dict``: FQN keys, the optimizer's
+state keyed by FQN), flattened into sorted string keys that every rank derives alike, so
+a newcomer's fresh model and optimizer give the same keys as a survivor's held state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_MODEL, _OPTIM = "model/", "optim/"
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """What one surviving rank holds before it leaves its old process group."""
+
+    old_rank: int
+    old_world_size: int
+    step: int
+    tensors: dict[str, torch.Tensor]
+    """Flat key -> this rank's local shard (DTensor entries) or the whole value (plain
+    tensors, e.g. AdamW's ``step``). Shards alias the old model's and optimizer's storage."""
+    sharded: frozenset[str]
+    """Keys whose value is the ``Shard(0)`` local shard of a DTensor on a 1-D mesh."""
+    shapes: dict[str, tuple[int, ...]]
+    """Global shape of every key in ``tensors``."""
+    values: dict[str, Any]
+    """Non-tensor entries: the optimizer's param-group settings (lr, betas, ...)."""
+
+
+def _flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # For a fresh optimizer get_state_dict first creates the state (zeros, via a step at
+    # lr=0), so newcomers get templates of the right shapes and placements.
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    flat = {_MODEL + k: v for k, v in model_state.items()} | {_OPTIM + k: v for k, v in optim_state.items()}
+    return dict(sorted(flat.items()))
+
+
+def _split(flat: dict[str, Any]) -> HeldState:
+    """The flat state as a HeldState whose tensors are still the DTensors (no rank yet)."""
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    sharded = frozenset(k for k, v in tensors.items() if isinstance(v, DTensor))
+    return HeldState(-1, -1, -1, tensors, sharded, shapes, {k: v for k, v in flat.items() if k not in tensors})
+
+
+def _layout(state: HeldState) -> str:
+    """A digest of what a state consists of, to compare every rank's in one small message."""
+    parts = [(k, state.shapes[k], str(t.dtype), k in state.sharded) for k, t in sorted(state.tensors.items())]
+    return hashlib.sha256(repr((parts, sorted(state.values))).encode()).hexdigest()
+
+
+def forget_old_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches; call when this process leaves a world.
+
+    DeviceMesh equality ignores which rank this process is, and the caches hand out specs
+    holding the first equal mesh seen: without this, a model built in a later world of the
+    same shape gets DTensors whose mesh reports this process's old coordinate (torch 2.13).
+    """
+    _clear_sharding_prop_cache()
+
+
+def hold_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, old_rank: int, old_world_size: int, step: int
+) -> HeldState:
+    """Capture this rank's shards (call before tearing down the old process group); no
+    communication. Do not step the old optimizer afterwards: the shards are not copied.
+    Also calls ``forget_old_meshes``, so the next world's model gets fresh meshes."""
+    state = _split(_flat_state(model, optimizer))
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in state.tensors.items():
+        if not isinstance(value, DTensor):
+            tensors[key] = value.detach().clone()
+            continue
+        if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+            raise ValueError(f"{key}: held state must be Shard(0) on a 1-D mesh, not {value.placements}")
+        if value.device_mesh.size() != old_world_size:
+            raise ValueError(f"{key}: sharded over {value.device_mesh.size()} ranks, not {old_world_size=}")
+        tensors[key] = value.to_local().detach()
+    forget_old_meshes()
+    return HeldState(old_rank, old_world_size, step, tensors, state.sharded, state.shapes, state.values)
+
+
+Info = tuple[int, int, int]
+"""(old_rank, old_world_size, step) of one held state."""
+
+
+def _as_list(entry: Info | list[Info] | None) -> list[Info]:
+    if entry is None:
+        return []
+    return list(entry) if isinstance(entry, list) else [entry]
+
+
+def _refusal(infos: list[Info | list[Info] | None]) -> str | None:
+    """Why the survivors' (old_rank, old_world_size, step) cannot rebuild the old state, or None."""
+    present = [info for entry in infos for info in _as_list(entry)]
+    if not present:
+        return "no rank holds state"
+    sizes, steps = {w for _, w, _ in present}, {s for _, _, s in present}
+    if len(sizes) > 1:
+        return f"survivors disagree on the old world size: {sorted(sizes)}"
+    if len(steps) > 1:
+        return f"survivors disagree on the step: {sorted(steps)}"
+    old_ranks = sorted(r for r, _, _ in present)
+    (size,) = sizes
+    if old_ranks != list(range(size)):
+        return f"old ranks held {old_ranks} do not cover the old world 0..{size - 1} exactly once"
+    return None
+
+
+def can_redistribute(infos: list[Info | list[Info] | None]) -> bool:
+    """Per new rank (old_rank, old_world_size, step) — or a list of them, for a survivor that
+    also holds shards a leaving rank handed it — or None for a newcomer: True iff the old
+    ranks 0..W-1 are all present exactly once and the survivors agree on W and the step."""
+    return _refusal(infos) is None
+
+
+def redistribute(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    held: HeldState | list[HeldState] | None,
+    group: dist.ProcessGroup,
+) -> int:
+    """Collective over the new world (every rank calls it; newcomers pass ``held=None``).
+    Fills the freshly built model and optimizer (FSDP2 on the new mesh, optimizer without
+    state yet) from the survivors' shards and returns the step. A survivor may hold several
+    old ranks' shards (its own and those a leaving rank handed it). Raises ValueError on
+    every rank, with the same message, when the survivors cannot rebuild the old state."""
+    states = [] if held is None else (list(held) if isinstance(held, list) else [held])
+    target = _flat_state(model, optimizer)
+    fresh = _split(target)
+    info = [(h.old_rank, h.old_world_size, h.step) for h in states]
+    held_layout = _layout(states[0]) if states else None
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    # One small message carries everything checked, so every rank refuses alike or none does.
+    dist.all_gather_object(gathered, (info, _stale_mesh(fresh, group), held_layout, _layout(fresh)), group=group)
+    infos = [entry[0] or None for entry in gathered]
+    refusal = _refusal(infos)
+    if refusal is not None:
+        raise ValueError(f"cannot redistribute in memory: {refusal} (per new rank: {infos})")
+    stale = [rank for rank, entry in enumerate(gathered) if entry[1]]
+    if stale:
+        raise ValueError(
+            f"cannot redistribute in memory: new ranks {stale} see a mesh that is not the new world's "
+            "(1-D over the group, coordinate = group rank); was forget_old_meshes called?"
+        )
+    if len({layout for entry in gathered for layout in entry[2:] if layout is not None}) > 1:
+        raise ValueError("cannot redistribute in memory: the held state does not match the new model and optimizer")
+
+    _, old_size, step = next(i for entry in infos for i in _as_list(entry))
+    slots = max(len(_as_list(entry)) for entry in infos)
+    # Old rank -> its slot in the gathered buffer: (holding new rank, position in its list).
+    holder = {i[0]: (new_rank, j) for new_rank, entry in enumerate(infos) for j, i in enumerate(_as_list(entry))}
+    order = [holder[old_rank][0] * slots + holder[old_rank][1] for old_rank in range(old_size)]
+    with torch.no_grad():
+        for bucket in _buckets(fresh, old_size, slots):
+            _regather_bucket(bucket, fresh, states, slots, old_size, order, group)
+        # Small entries (AdamW's step, param-group settings) come whole from old rank 0.
+        payload: list[Any] = [None]
+        first = next((h for h in states if h.old_rank == 0), None)
+        if first is not None:
+            payload = [({k: first.tensors[k].cpu() for k in fresh.tensors if k not in fresh.sharded}, first.values)]
+        dist.broadcast_object_list(payload, group=group, group_src=holder[0][0])
+        plain, values = payload[0]
+        target.update({k: v.to(fresh.tensors[k].device) for k, v in plain.items()})
+        target.update(values)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict={k[len(_MODEL) :]: v for k, v in target.items() if k.startswith(_MODEL)},
+        optim_state_dict={k[len(_OPTIM) :]: v for k, v in target.items() if k.startswith(_OPTIM)},
+        options=_OPTIONS,
+    )
+    return step
+
+
+def _stale_mesh(fresh: HeldState, group: dist.ProcessGroup) -> bool:
+    """Whether a new DTensor's mesh disagrees with ``group`` (the new shard is cut by its coordinate)."""
+    meshes = {id(t.device_mesh): t.device_mesh for t in fresh.tensors.values() if isinstance(t, DTensor)}
+    expected = (dist.get_rank(group),)
+    size = dist.get_world_size(group)
+    return any(m.ndim != 1 or m.size() != size or m.get_coordinate() != expected for m in meshes.values())
+
+
+BUCKET_BYTES = 64 << 20
+"""Upper bound on one rank's contribution to one all-gather (its padded old chunks)."""
+
+
+def _chunk(rows: int, world: int) -> int:
+    """Rows per shard under torch.chunk semantics: ceil(n/W), the last shards short or empty."""
+    return -(-rows // world)
+
+
+def _buckets(fresh: HeldState, old_size: int, slots: int) -> list[list[str]]:
+    """Sharded keys in sorted order, grouped by dtype and device into buckets of at most
+    ``BUCKET_BYTES`` per rank, so a few collectives move the whole state."""
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    size, kind = 0, None
+    for key in sorted(fresh.sharded):
+        dest = fresh.tensors[key]
+        row = dest[0].numel() if dest.dim() > 1 else 1
+        nbytes = slots * _chunk(dest.shape[0], old_size) * row * dest.element_size()
+        this = (dest.dtype, dest.device.type)
+        if current and (this != kind or size + nbytes > BUCKET_BYTES):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(key)
+        size, kind = size + nbytes, this
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _regather_bucket(
+    keys: list[str],
+    fresh: HeldState,
+    held: list[HeldState],
+    slots: int,
+    old_size: int,
+    order: list[int],
+    group: dist.ProcessGroup,
+) -> None:
+    """Rebuild the full tensors of ``keys`` from the old shards (one all-gather of every
+    rank's padded old chunks) and copy this rank's new shard of each into the new model."""
+    dests = [fresh.tensors[k] for k in keys]
+    widths = [_chunk(d.shape[0], old_size) * (d[0].numel() if d.dim() > 1 else 1) for d in dests]
+    span = sum(widths)  # elements of one old rank's padded chunks of every key
+    sample = dests[0].to_local()
+    mine = torch.zeros(slots * span, dtype=sample.dtype, device=sample.device)
+    for j, state in enumerate(held):
+        offset = j * span
+        for key, width in zip(keys, widths):
+            shard = state.tensors[key].reshape(-1)
+            mine[offset : offset + shard.numel()].copy_(shard)
+            offset += width
+    world = dist.get_world_size(group)
+    gathered = mine.new_empty(world * slots * span)
+    dist.all_gather_single(gathered, mine, group=group)
+    del mine
+    me = dist.get_rank(group)
+    offset = 0
+    for dest, width in zip(dests, widths):
+        rows = dest.shape[0]
+        # Padding sits only after each old shard's rows: old-rank order, then the first n rows.
+        parts = [gathered[i * span + offset : i * span + offset + width] for i in order]
+        full = torch.cat(parts).view(-1, *dest.shape[1:])[:rows]
+        local = dest.to_local()
+        start = me * _chunk(rows, world)  # the new mesh's coordinate is the group rank
+        local.copy_(full[start : start + local.shape[0]])
+        offset += width
