@@ -89,7 +89,7 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
 
     health = _health(s, world, config, now)
     _restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
-    joiners = _joiners(s, world, health)
+    joiners = _joiners(s, world, health, now, out)
     plan = s.plan
     if plan is not None and plan.phase != DONE:
         reason = _advance(s, plan, config, health, now, settings, out)
@@ -178,15 +178,18 @@ def _health(s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float
     return health
 
 
-def _joiners(s: JobSnapshot, world: frozenset[str], health: _Health) -> list[str]:
-    """Healthy members waiting outside the current round, oldest first."""
+def _joiners(s: JobSnapshot, world: frozenset[str], health: _Health, now: float, out: _Out) -> list[str]:
+    """Healthy members waiting outside the current round, oldest first. A member on
+    probation (its own workers just failed, or are still starting up) is not one yet."""
     world_round = s.world_round
-    waiting = [
-        n
-        for n, m in s.members.items()
-        if m.round != world_round and n not in world and n not in health.lost and n not in health.notices
-        and n not in health.storm
-    ]
+    waiting = []
+    for n, m in s.members.items():
+        if m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
+            continue
+        if m.not_before > now:
+            out.again_in(m.not_before - now)
+            continue
+        waiting.append(n)
     return sorted(waiting, key=lambda n: (_joiner_seen(s, n), n))
 
 

@@ -87,6 +87,9 @@ class MemberRecord(Record):
     """Address the agent is reachable at (for round-scoped stores)."""
     joined_at: float = 0.0
     """Unix time the agent registered."""
+    not_before: float = 0.0
+    """Unix time before which this member should not be admitted to a round: it is on
+    probation after its own workers failed, or its restarted workers are still starting."""
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,11 @@ class AgentKeys:
         return await self._revision()
 
     def update_member_soon(self, round: int, restart_count: int) -> None:
-        """Record the agent's round and restart count in its member key, off the critical path."""
-        self.member = dataclasses.replace(self.member, round=round, restart_count=restart_count)
+        """Record the agent's round, restart count and probation in its member key, off the
+        critical path."""
+        self.member = dataclasses.replace(
+            self.member, round=round, restart_count=restart_count, not_before=self.not_before
+        )
         self._leased[self._member_key] = self.member.to_json()
         if self._member_update is None or self._member_update.done():
             self._member_update = asyncio.create_task(self._write_member(), name=f"rdzv-member-{self.me.node}")

@@ -60,6 +60,8 @@ from rendezvous.store import RoundAbandoned, RoundStore, round_prefix
 log = structlog.get_logger("rendezvous")
 
 BACKEND_NAME = "etcd-v3"
+# A stepped-out agent asks not to be counted until it joins for real (which resets this).
+_STEPPED_OUT_S = 3600.0
 # How long a read of the round's store waits for its key.
 STORE_TIMEOUT = timedelta(seconds=60)
 
@@ -128,6 +130,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._shut = False
         self._traceparent = ""
         self._probation: timedelta | None = None
+        self._stepped_out: bool | None = None
 
     # -- RendezvousHandler --------------------------------------------------------------
 
@@ -175,6 +178,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         expected = usable_expected(self.view, self._bounds)
         return expected is not None and self.node not in expected.nodes
 
+    def step_out(self) -> None:
+        """This node's workers failed and are being restarted: say so at once, with a join
+        record for the next round that asks not to be counted, so the others re-form without
+        this node now instead of waiting on its ranks. ``next_rendezvous`` later joins for
+        real (after the probation, when in place)."""
+        self._stepped_out = self._charge_failure()
+        self._keys.not_before = time.time() + _STEPPED_OUT_S
+        self._update_member()
+        state = self.view.state
+        try:
+            self._shared.loop.run(self._keys.put_join((state.round if state else 0) + 1), self._settings.timeouts.close)
+        except (TimeoutError, *ETCD_ERRORS) as exc:
+            log.warning("could not step out of the round; the others notice through the workers", error=str(exc))
+
+    def _charge_failure(self) -> bool:
+        """Whether the round just left failed through this node's own workers (then counted
+        in ``restart_count``, which the controller's restart-storm rule reads)."""
+        own = bool(self._round) and not self._restart_requested and charged(take_failures(self._failures))
+        if own:
+            self._restart_count += 1
+        return own
+
+    def _update_member(self) -> None:
+        """Rewrite the member record (round, restart count, probation) from this thread."""
+        self._shared.loop.loop.call_soon_threadsafe(self._keys.update_member_soon, self._round, self._restart_count)
+
     def abandon_round(self) -> None:
         """The round just joined cannot start (an agent of it vanished before the workers'
         ranks were assigned): the next ``next_rendezvous`` joins a newer one, and it is a
@@ -199,12 +228,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         nodes whose workers failed in one round, a node is not charged when its ranks only
         failed because a peer went away (``regroup.failures``).
         """
-        if self._round and not self._restart_requested and charged(take_failures(self._failures)):
-            self._restart_count += 1
-            if self._probation is not None:
-                self._keys.not_before = time.time() + self._probation.total_seconds()
-                log.info("own workers failed; on probation before rejoining", node=self.node,
-                         seconds=self._probation.total_seconds())
+        if self._stepped_out is not None:
+            own_failure, self._stepped_out = self._stepped_out, None  # charged when stepping out
+        else:
+            own_failure = self._charge_failure()
+        # Probation (in place): the others re-form without this node and train on meanwhile.
+        probation = own_failure and self._probation is not None
+        not_before = time.time() + self._probation.total_seconds() if probation and self._probation else 0.0
+        if not_before or self._keys.not_before:
+            self._keys.not_before = not_before
+            self._update_member()
+        if probation:
+            log.info("own workers failed; on probation before rejoining", node=self.node, until=not_before)
         self._restart_requested = False
         self._traceparent = self._requested_by()
         attributes = {"regroup.job": self._settings.job.job, "regroup.node": self.node}

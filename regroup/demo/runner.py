@@ -135,19 +135,25 @@ class _Run:
         return state
 
 
-def _settled(run: _Run) -> bool:
-    """The job trains (fresh progress) and no re-form is in flight."""
+def _settled(run: _Run, final: bool = False) -> bool:
+    """The job trains (fresh progress) and no re-form is in flight; at the end of the run
+    (``final``), every flaky node has also been dealt with (cordoned or gone), so where the
+    run ends does not depend on the machine's speed."""
     view = run.recorder.view if run.recorder else None
     if view is None or view.progress is None or time.time() - view.progress_seen_at > 2.0:
+        return False
+    if final and run.cluster is not None and any(
+        (node := run.cluster.node(f.node)) is not None and not node.unschedulable for f in run.flaky.values()
+    ):
         return False
     return view.plan is None or view.plan.phase == "done"
 
 
-async def _wait_settled(run: _Run, timeout: float) -> None:
+async def _wait_settled(run: _Run, timeout: float, final: bool = False) -> None:
     """Push the script back until the job settles (at most ``timeout``), so each event's
     re-form is over before the next one starts on a slow machine too."""
     started = time.time()
-    while not _settled(run) and time.time() - started < timeout:
+    while not _settled(run, final) and time.time() - started < timeout:
         await asyncio.sleep(0.2)
     run.delay += time.time() - started
 
@@ -187,6 +193,11 @@ def _inject_faults(run: _Run, progress: Progress) -> None:
             continue
         # Only progress written after the last crash counts: it comes from a newer incarnation.
         if progress.time < flaky.last_crash + 2.0:
+            continue
+        # ... and only while the node trains in the world the progress comes from (with
+        # in-place re-forms the others train on without it while it is on probation).
+        member = run.recorder.view.members.get(flaky.node) if run.recorder else None
+        if progress.round and (member is None or member.round != progress.round):
             continue
         if progress.step - progress.resumed_from_step < flaky.crash_after_steps:
             continue
@@ -354,7 +365,7 @@ async def run_scenario(
             if player.exception() is not None:
                 raise RuntimeError(f"the scenario failed: {player.exception()!r}") from player.exception()
             if mode in CONTROLLED:
-                await _wait_settled(run, SETTLE_TIMEOUT)
+                await _wait_settled(run, SETTLE_TIMEOUT, final=True)
             ended_at = time.time()
             view.draw()
     finally:

@@ -36,6 +36,8 @@ log = structlog.get_logger("regroup.inplace.agent")
 
 WARM_TIMEOUT_S = 300.0
 """How long a standby agent waits for its workers to start up before joining anyway."""
+HANDOFF_TIMEOUT_S = 60.0
+"""How long the agent of a leaving node waits for its workers to hand their shards over."""
 
 
 class InPlaceAgent(LocalElasticAgent):
@@ -90,9 +92,7 @@ class InPlaceAgent(LocalElasticAgent):
                         log.info("worker group failed; restarting it", state=state.name,
                                  restarts_left=self._remaining_restarts)
                         self._remaining_restarts -= 1
-                        # The others wait on this node's dead ranks: re-enter the rendezvous
-                        # at once (they re-form without it), not after the new workers warm up.
-                        self._join_first = True
+                        self._join_first = self._standby
                         self._restart_workers(self._worker_group)
                         continue
                     self._stop_workers(self._worker_group)
@@ -129,9 +129,12 @@ class InPlaceAgent(LocalElasticAgent):
         finally:
             os.environ.pop(STANDBY_ENV, None)
         worker_group.state = WorkerState.HEALTHY
-        if not self._join_first:
-            self._await_warm_workers(ids)
+        if self._join_first:
+            # The others wait on this node's dead ranks: tell them now (they re-form without
+            # it), then join for real once the new workers have started up.
+            getattr(worker_group.spec.rdzv_handler, "step_out", lambda: None)()
         self._join_first = False
+        self._await_warm_workers(ids)
         self._rendezvous(worker_group)
         for local_rank, worker_id in ids.items():
             worker_group.workers[local_rank].id = worker_id
@@ -149,6 +152,19 @@ class InPlaceAgent(LocalElasticAgent):
                 getattr(handler, "abandon_round", lambda: None)()
         self._rounds += 1
         self._publish(worker_group, pending=False, reason="round formed")
+
+    def _await_reports(self, state: str, timeout_s: float) -> None:
+        """Wait until every live local worker reports ``state`` (at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        while time.monotonic() < deadline:
+            reports = [WorkerReport.read(self._channel, local_rank) for local_rank in pids]
+            if all(r is not None and r.state == state for r in reports):
+                return
+            if self._pcontext is not None and self._pcontext.wait(0) is not None:
+                return  # a worker exited: nothing more will come from it
+            time.sleep(0.02)
+        log.warning("workers did not finish in time", waiting_for=state, timeout_s=timeout_s)
 
     def _await_warm_workers(self, ids: dict[int, Any]) -> None:
         """Join the round only once every worker has started up (imported torch and reached
@@ -189,6 +205,10 @@ class InPlaceAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         leaving = bool(getattr(handler, "left_out", lambda: False)())
         self._announce("leaving the job" if leaving else "membership changed", leaving=leaving)
+        if leaving:
+            # Its workers hand their shards to survivors first; the round (which excludes this
+            # node and ends this agent) is joined once they are done, or gone.
+            self._await_reports("leaving", HANDOFF_TIMEOUT_S)
         pids = self._pcontext.pids() if self._pcontext is not None else {}
         self._rendezvous(worker_group)
         # The rank assignment made new Worker records: they are still the same processes.

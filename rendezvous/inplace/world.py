@@ -56,10 +56,16 @@ from rendezvous.inplace.channel import (
 log = structlog.get_logger("regroup.inplace.world")
 
 _POLL_S = 0.02
+_CONNECT_TRY = timedelta(seconds=2)
+"""One try at reaching a world's store; between tries, a newer world is looked for."""
 
 
 class Interrupted(Exception):
     """The current world is being re-formed (or a peer vanished): leave and rejoin."""
+
+
+class Superseded(RuntimeError):
+    """The world being formed was replaced by a newer one before it started."""
 
 
 class ReformFailed(RuntimeError):
@@ -107,6 +113,7 @@ class ElasticWorld:
         self._file = WorldFile(self.channel) if self.channel else None
         self._lock = threading.Lock()
         self._baseline: set[str] = set()
+        self._forming: Membership | None = None
         self._left = True
         self._due_since: float | None = None
         self._aborted = False
@@ -139,10 +146,13 @@ class ElasticWorld:
         to fail. ``keep_ports``: remote ports of connections never severed (your etcd)."""
         world = cls(dict(os.environ) if env is None else env, backend, timeout, abort_grace, keep_ports)
         world._report("waiting", 0)
-        world._form(world._first_membership(stop), stop)
         if world.in_place:
             world._watcher = threading.Thread(target=world._watch, name="inplace-watch", daemon=True)
             world._watcher.start()
+        try:
+            world._form(world._first_membership(stop), stop)
+        except Superseded as exc:
+            raise ReformFailed(str(exc)) from exc
         return world
 
     @property
@@ -211,14 +221,21 @@ class ElasticWorld:
         """Wait for the agent to hand out the next world and form it; the new membership.
 
         Raises ``ReformFailed`` when no world comes within ``timeout`` (default: the
-        world's timeout), or when ``stop()`` turns true while waiting."""
+        world's timeout), when ``stop()`` turns true while waiting, or when the world is
+        superseded while it forms (a member vanished): the worker then exits and its agent
+        restarts it."""
         if not self.in_place:
             raise ReformFailed("not started by an in-place agent (regroup-run)")
         self.leave()
         old = self.round
         self._report("waiting", old)
         membership = self._await_world(lambda w: not w.pending and w.round > old, stop, timeout or self.timeout)
-        self._form(membership, stop)
+        try:
+            self._form(membership, stop)
+        except Superseded as exc:
+            # A half-formed default group cannot be formed again reliably in the same
+            # process: take the restart path (the agent restarts this worker).
+            raise ReformFailed(str(exc)) from exc
         return membership
 
     def close(self) -> None:
@@ -286,18 +303,35 @@ class ElasticWorld:
             time.sleep(_POLL_S)
 
     def _form(self, membership: Membership, stop: Callable[[], bool]) -> None:
+        """Create the default process group of ``membership``. While it forms, a newer world
+        from the agent (a member of this one vanished before it started) makes it fail:
+        ``Superseded``, and the caller forms the newer one instead of waiting out the timeout."""
         started = time.perf_counter()
-        self._baseline = socket_inodes()
-        if membership.master_addr:
-            dist.init_process_group(
-                self.backend,
-                init_method=f"tcp://{_bracket(membership.master_addr)}:{membership.master_port}",
-                rank=membership.rank,
-                world_size=membership.world_size,
-                timeout=self.timeout,
-            )
-        else:
-            dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+        with self._lock:
+            self._baseline = socket_inodes()
+            self._forming = membership
+        try:
+            if membership.master_addr:
+                store = self._store(membership, stop)
+                dist.init_process_group(
+                    self.backend,
+                    store=dist.PrefixStore("default_pg", store),  # as env:// would
+                    rank=membership.rank,
+                    world_size=membership.world_size,
+                    timeout=self.timeout,
+                )
+            else:
+                dist.init_process_group(
+                    self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
+                )
+        except Exception as exc:
+            if self._newer_than(membership):
+                abort_groups()
+                raise Superseded(f"world of round {membership.round} superseded while forming") from exc
+            raise
+        finally:
+            with self._lock:
+                self._forming = None
         self.last_process_group_s = time.perf_counter() - started
         with self._lock:
             self.membership = membership
@@ -314,6 +348,31 @@ class ElasticWorld:
             process_group_s=round(self.last_process_group_s, 3),
         )
 
+    def _store(self, membership: Membership, stop: Callable[[], bool]) -> dist.Store:
+        """The world's TCPStore (hosted by its rank 0). Connecting is retried in short tries,
+        so a newer world or a stop is noticed while rank 0 is not (or no longer) there."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                store = dist.TCPStore(
+                    membership.master_addr,
+                    membership.master_port,
+                    membership.world_size,
+                    membership.rank == 0,
+                    timeout=_CONNECT_TRY,
+                    wait_for_workers=False,
+                )
+            except (RuntimeError, dist.DistError) as exc:
+                if self._newer_than(membership) or stop() or time.monotonic() >= deadline:
+                    raise Superseded(f"could not reach the store of round {membership.round}: {exc}") from exc
+                continue
+            store.set_timeout(self.timeout)
+            return store
+
+    def _newer_than(self, membership: Membership) -> bool:
+        latest = self._file.poll() if self._file else None
+        return latest is not None and latest.seq > membership.seq
+
     def _supersedes(self, world: NodeWorld) -> bool:
         membership = self.membership
         if membership is None:
@@ -328,6 +387,11 @@ class ElasticWorld:
         while not self._stop_watch.wait(_POLL_S):
             due = self.reform_due()
             with self._lock:
+                forming = self._forming
+                if forming is not None and self._newer_than(forming):
+                    # A member of the world being formed is gone: fail the formation.
+                    sever_connections(self._baseline, self._keep_ports)
+                    continue
                 if self._left or self._aborted:
                     continue
                 if not due:

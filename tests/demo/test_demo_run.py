@@ -91,7 +91,9 @@ def test_the_loss_curve_is_continuous(short_run: RunData) -> None:
     parts = incarnations(short_run.progress)
     assert len(parts) >= 4, "the scenario re-forms at least four times"
     for before, after in itertools.pairwise(parts):
-        # Each incarnation starts exactly at the checkpoint it resumed from, a step the run had reached.
-        assert after.first_step == after.resumed_from_step <= before.last_step
+        # Each incarnation resumes from a step the run had reached; its first progress is the
+        # step right after it (a new world publishes once its first step is done).
+        assert after.first_step == after.resumed_from_step + 1
+        assert after.resumed_from_step <= before.last_step
         steps = [s.step for s in after.samples]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)
