@@ -34,14 +34,14 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from regroup.demo.main import cancelled_by_sigterm
 from regroup.demo.analysis import (
     RunData,
     event_impacts,
@@ -67,7 +67,6 @@ MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d")
 QUICK_DURATION = "110s"
 TAIL_S = 25.0
 """An event is played only if it leaves this many seconds before the end of the run."""
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -289,18 +288,6 @@ def fitting(scenario: Scenario, tail: float = TAIL_S) -> tuple[Scenario, list[st
     return replace(scenario, events=kept), dropped
 
 
-async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro``; SIGTERM cancels it like Ctrl-C does, so every local node is stopped."""
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        return await coro
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-
-
 def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
     """Play ``scenario`` in each mode, one after the other; the first run's folder is
     ``root``, the others are its sub-folders named after their mode."""
@@ -335,7 +322,7 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
             # The live view's line a second goes to a log; the terminal gets the tables.
             with open(layout.logs / "live.log", "w") as live:
                 played = run_scenario(scenario, mode, layout, stream=live, live=False)
-                asyncio.run(_cancelled_by_sigterm(played))
+                asyncio.run(cancelled_by_sigterm(played))
     finally:
         provider.shutdown()
         log_stream.close()

@@ -24,7 +24,7 @@ BASELINES = ("regroup-restart", "torchrun-c10d")
 T = TypeVar("T")
 
 
-async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, T]) -> T:
+async def cancelled_by_sigterm(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro``; SIGTERM cancels it like Ctrl-C does, so every local node is stopped."""
     task = asyncio.current_task()
     assert task is not None
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for mode, layout in zip(modes, layouts):
             print(f"regroup demo: playing {scenario.name!r} on {mode} ({scenario.duration.total_seconds():.0f}s) in {layout.root}")
-            asyncio.run(_cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live)))
+            asyncio.run(cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("regroup demo: interrupted", file=sys.stderr)
         return 130

@@ -29,6 +29,7 @@ from regroup.records import (
     Progress,
     ReformRequest,
 )
+from tests.rendezvous.agents import wait_until as wait_for
 from tests.trainer.harness import events, write_config
 
 JOB = "job"
@@ -48,17 +49,6 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(entry))
     return found
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass

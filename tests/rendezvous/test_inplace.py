@@ -6,7 +6,6 @@ test plays the controller where a scenario needs one, by writing its etcd record
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections import Counter
@@ -18,7 +17,7 @@ import pytest
 from regroup.etcd_server import EtcdServer
 from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
-from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL
+from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
 from trainer.checkpoint import latest_committed
 
 pytestmark = pytest.mark.slow
@@ -213,13 +212,6 @@ def test_in_place_and_restart_reforms_follow_the_uninterrupted_trajectory(
     worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
     assert worst < PARAM_ATOL, f"largest parameter/optimizer-state difference {worst}"
     for folder in (tmp_path / "straight" / "samples", tmp_path / "job" / "samples"):
-        counts = Counter(_sample_ids(folder))
+        counts = Counter(_samples(folder))
         assert sorted(counts) == list(range(steps * 12)) and set(counts.values()) == {1}
 
-
-def _sample_ids(folder: Path) -> list[int]:
-    ids: list[int] = []
-    for path in sorted(folder.glob("samples-*.jsonl")):
-        for line in path.read_text().splitlines():
-            ids += json.loads(line)["ids"]
-    return ids
