@@ -189,7 +189,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         state = self.view.state
         try:
             self._shared.loop.run(self._keys.put_join((state.round if state else 0) + 1), self._settings.timeouts.close)
-        except (TimeoutError, *ETCD_ERRORS) as exc:
+        except (TimeoutError, RuntimeError, *ETCD_ERRORS) as exc:
             log.warning("could not step out of the round; the others notice through the workers", error=str(exc))
 
     def _charge_failure(self) -> bool:

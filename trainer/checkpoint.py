@@ -196,6 +196,7 @@ class Checkpointer:
         runtime: Runtime,
         die_during_save_at: int | None = None,
         on_commit: Callable[[int], None] | None = None,
+        before_commit: Callable[[int], None] | None = None,
     ) -> None:
         if cfg.dir is None:
             raise ValueError("checkpoint.dir: required to save checkpoints")
@@ -207,6 +208,7 @@ class Checkpointer:
         self.last_committed: int | None = None
         self._die_at = die_during_save_at
         self._on_commit = on_commit
+        self._before_commit = before_commit
         self._in_flight: _InFlight | None = None
         self._stager: DefaultStager | None = None
 
@@ -321,6 +323,8 @@ class Checkpointer:
 
     def _commit(self, step: int) -> None:
         if self.runtime.rank == 0:
+            if self._before_commit is not None:
+                self._before_commit(step)
             write_commit_marker(step_dir(self.root, step), step, self.runtime.world_size)
             pruned = prune(self.root, self.cfg.keep_last)
             log.info("checkpoint committed", step=step, checkpoint_id=checkpoint_id(step), pruned=pruned)

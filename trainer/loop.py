@@ -51,6 +51,8 @@ log = structlog.get_logger("regroup.trainer")
 
 # Poll period while holding at a boundary for the re-form (one tiny collective each).
 _HOLD_POLL_S = 0.2
+# How long rank 0 waits for etcd to take its progress before a commit or a re-form.
+_RECORD_WAIT = timedelta(milliseconds=500)
 # How long a rank at the agreed boundary waits for its own agent's announcement (which says
 # whether its node is leaving): agents announce within one monitor interval of each other.
 _ANNOUNCE_WAIT = timedelta(seconds=2)
@@ -136,7 +138,11 @@ class TrainingRun:
         if getattr(self, "checkpointer", None) is not None:
             self.checkpointer.close()
         die_at = self._fault_step("kill_during_save")
-        self.checkpointer = Checkpointer(cfg.checkpoint, runtime, die_at) if cfg.checkpoint.dir else None
+        self.checkpointer = (
+            Checkpointer(cfg.checkpoint, runtime, die_at, before_commit=lambda _: self._record_reached())
+            if cfg.checkpoint.dir
+            else None
+        )
         self._last_save_time = time.monotonic()
         self._last_progress_time = 0.0
         self._sample_log = self._open_sample_log()
@@ -183,6 +189,13 @@ class TrainingRun:
         """Progress for a forced exit (the watchdog's): the last completed step."""
         self.counters.state = "stopped"
         return self.progress()
+
+    def _record_reached(self) -> None:
+        """Rank 0 publishes the step reached before anything can resume from it (a commit
+        marker, leaving the world): no resume point is ever newer than the progress seen."""
+        if self.channel is not None:
+            self.channel.publish_progress(self.progress(), wait=True, timeout=_RECORD_WAIT)
+            self._last_progress_time = time.monotonic()
 
     def publish(self, wait: bool = False) -> None:
         if self.channel is not None:
@@ -439,6 +452,7 @@ class TrainingRun:
                     raise
                 clean = isinstance(exc, Interrupted)
                 log.info("leaving the world for a re-form", step=self.state.step, clean=clean, why=str(exc)[:200])
+                self._record_reached()
                 if not self.reform(clean):
                     return self.stop_now()
 
