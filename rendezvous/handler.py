@@ -244,7 +244,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._traceparent = self._requested_by()
         attributes = {"regroup.job": self._settings.job.job, "regroup.node": self.node}
         with self._tracer.start_as_current_span(
-            "regroup.rendezvous.join", context=context_from_traceparent(self._requested_by()), attributes=attributes
+            "regroup.rendezvous.join", context=context_from_traceparent(self._traceparent), attributes=attributes
         ) as span:
             info = self._next_rendezvous()
             span.set_attributes(

@@ -9,6 +9,7 @@ failed ``accept`` as fatal), and so are connections the caller wants kept (its e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterable
@@ -73,7 +74,5 @@ def abort_groups() -> None:
         dist.distributed_c10d._abort_process_group(dist.group.WORLD)
     except (RuntimeError, ValueError, AttributeError) as exc:
         log.warning("process group abort failed; destroying it", error=str(exc))
-        try:
+        with contextlib.suppress(RuntimeError, ValueError, AssertionError):
             dist.destroy_process_group()
-        except (RuntimeError, ValueError, AssertionError):
-            pass

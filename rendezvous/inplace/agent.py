@@ -134,7 +134,9 @@ class InPlaceAgent(LocalElasticAgent):
             # it), then join for real once the new workers have started up.
             getattr(worker_group.spec.rdzv_handler, "step_out", lambda: None)()
         self._join_first = False
-        self._await_warm_workers(ids)
+        # Join only once every worker has started up (imported torch, reached
+        # ElasticWorld.join): the round never waits on a cold interpreter.
+        self._await_reports(None, WARM_TIMEOUT_S)
         self._rendezvous(worker_group)
         for local_rank, worker_id in ids.items():
             worker_group.workers[local_rank].id = worker_id
@@ -153,37 +155,24 @@ class InPlaceAgent(LocalElasticAgent):
         self._rounds += 1
         self._publish(worker_group, pending=False, reason="round formed")
 
-    def _await_reports(self, state: str, timeout_s: float) -> None:
-        """Wait until every live local worker reports ``state`` (at most ``timeout_s``)."""
+    def _await_reports(self, state: str | None, timeout_s: float) -> None:
+        """Wait until every local worker process has reported (``state`` None: anything, i.e.
+        it has started up; else that state), at most ``timeout_s``. A worker that exits
+        meanwhile is left to the monitor loop: nothing more will come from it."""
         deadline = time.monotonic() + timeout_s
         pids = self._pcontext.pids() if self._pcontext is not None else {}
-        while time.monotonic() < deadline:
-            reports = [WorkerReport.read(self._channel, local_rank) for local_rank in pids]
-            if all(r is not None and r.state == state for r in reports):
-                return
-            if self._pcontext is not None and self._pcontext.wait(0) is not None:
-                return  # a worker exited: nothing more will come from it
-            time.sleep(0.02)
-        log.warning("workers did not finish in time", waiting_for=state, timeout_s=timeout_s)
-
-    def _await_warm_workers(self, ids: dict[int, Any]) -> None:
-        """Join the round only once every worker has started up (imported torch and reached
-        ``ElasticWorld.join``), so the round never waits on a cold interpreter. A worker
-        that exits meanwhile is left to the monitor loop; one that never reports is given
-        ``WARM_TIMEOUT_S`` (it may not use ElasticWorld: it then fails without its rank)."""
-        deadline = time.monotonic() + WARM_TIMEOUT_S
-        pending = dict(ids)
+        pending = dict(pids)
         while pending and time.monotonic() < deadline:
             for local_rank, pid in list(pending.items()):
                 report = WorkerReport.read(self._channel, local_rank)
-                if report is not None and report.pid == pid:
+                if report is not None and report.pid == pid and state in (None, report.state):
                     pending.pop(local_rank)
             if pending and self._pcontext is not None and self._pcontext.wait(0) is not None:
-                return  # a worker exited: the monitor loop deals with it after the rendezvous
+                return
             time.sleep(0.02)
         if pending:
-            log.warning("workers did not report within the warm-up timeout; joining anyway",
-                        local_ranks=sorted(pending), timeout_s=WARM_TIMEOUT_S)
+            log.warning("workers did not report in time; going on", waiting_for=state or "start-up",
+                        local_ranks=sorted(pending), timeout_s=timeout_s)
 
     # -- the in-place path ------------------------------------------------------------------------
 

@@ -114,6 +114,7 @@ class ElasticWorld:
         self._lock = threading.Lock()
         self._baseline: set[str] = set()
         self._forming: Membership | None = None
+        self._severed: Membership | None = None
         self._left = True
         self._due_since: float | None = None
         self._aborted = False
@@ -241,10 +242,7 @@ class ElasticWorld:
     def close(self) -> None:
         self._stop_watch.set()
         if self.channel is not None:
-            try:
-                (self.channel / report_name(self.local_rank)).unlink()
-            except OSError:
-                pass
+            (self.channel / report_name(self.local_rank)).unlink(missing_ok=True)
 
     # -- forming a world ---------------------------------------------------------------------
 
@@ -388,9 +386,10 @@ class ElasticWorld:
             due = self.reform_due()
             with self._lock:
                 forming = self._forming
-                if forming is not None and self._newer_than(forming):
-                    # A member of the world being formed is gone: fail the formation.
+                if forming is not None and forming is not self._severed and self._newer_than(forming):
+                    # A member of the world being formed is gone: fail the formation (once).
                     sever_connections(self._baseline, self._keep_ports)
+                    self._severed = forming
                     continue
                 if self._left or self._aborted:
                     continue

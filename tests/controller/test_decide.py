@@ -15,6 +15,7 @@ from controller.snapshot import (
     Cordon,
     DeletePod,
     FleetView,
+    JobSnapshot,
     PostEvent,
     WriteCheckpointRequest,
     WriteExpected,
@@ -263,12 +264,18 @@ def test_lost_steps_count_from_the_last_step_before_to_the_resumed_step() -> Non
     assert s.plan.outcome == "completed" and s.plan.lost_steps == 30
 
 
-def test_the_completed_plan_keeps_how_the_trainer_resumed() -> None:
+def _resuming_after_a_loss() -> JobSnapshot:
+    """n3 lost at step 230; the round without it formed: the plan waits for the resume."""
     s = job(step=230)
     s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
     s, _ = step(s, T0)
     s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
     s, _ = step(s, T0 + 1)
+    return s
+
+
+def test_the_completed_plan_keeps_how_the_trainer_resumed() -> None:
+    s = _resuming_after_a_loss()
     assert s.plan.phase == "resume" and (s.plan.mode, s.plan.resume_phases) == ("", {})
     phases = {"process_group": 0.4, "reshard": 1.5, "first_step": 0.3}
     s = dataclasses.replace(
@@ -280,11 +287,7 @@ def test_the_completed_plan_keeps_how_the_trainer_resumed() -> None:
 
 
 def test_a_plan_that_times_out_says_nothing_of_how_the_trainer_resumed() -> None:
-    s = job(step=230)
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
-    s, _ = step(s, T0)
-    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
-    s, _ = step(s, T0 + 1)
+    s = _resuming_after_a_loss()
     # Progress from the old world (six ranks) is not the resume, whatever mode it carries.
     s = dataclasses.replace(
         s, progress=Progress(step=231, loss=1.0, samples_seen=0, world_size=6, time=T0 + 3, reform_mode="restart",

@@ -8,6 +8,7 @@ naming what they waited for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("worker.py")
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
@@ -88,11 +96,7 @@ class TorchrunNodes:
         self.killed.add(node)
         proc.kill()
         proc.wait()
-        for pid in self.worker_pids(node):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(self.worker_pids(node))
 
     def exit_code(self, node: str, timeout: float) -> int:
         return self.procs[node].wait(timeout)
@@ -107,11 +111,7 @@ class TorchrunNodes:
             if proc.poll() is None:
                 self.kill_node(node)
             else:
-                for pid in self.worker_pids(node):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_all(self.worker_pids(node))
 
     def log(self, node: str) -> str:
         path = self.out / f"agent-{node}.log"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from regroup.records import (
     Progress,
     ReformRequest,
 )
-from tests.rendezvous.agents import wait_until as wait_for
+from tests.rendezvous.agents import kill_all, wait_until as wait_for
 from tests.trainer.harness import events, write_config
 
 JOB = "job"
@@ -103,11 +102,7 @@ class InPlaceJob:
         pids = self.workers(node)
         self.procs[node].kill()
         self.procs[node].wait()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(pids)
 
     def log(self, node: str) -> str:
         path = self.root / f"{node}.log"

@@ -11,6 +11,7 @@ second also covers processes that change rank between worlds of the same shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -49,10 +50,10 @@ def _run_workers(out: Path, timeout: float = 180) -> None:
             procs.append(subprocess.Popen([*argv, str(p)], env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
-        for proc in procs:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass  # reported below with every process's output
+        # A timeout is reported below, with every process's output.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for proc in procs:
             if proc.poll() is None:
