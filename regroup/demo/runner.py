@@ -70,6 +70,8 @@ class _Run:
     delay: float = 0.0
     """Seconds the script was pushed back waiting for the job to settle (see ``_settled``)."""
     flaky: dict[str, FlakyNode] = field(default_factory=dict)
+    dealt_with: dict[str, float] = field(default_factory=dict)
+    """Flaky node -> when the run first saw it cordoned or gone."""
     recent: list[str] = field(default_factory=list)
     gone: set[str] = field(default_factory=set)
 
@@ -142,10 +144,15 @@ def _settled(run: _Run, final: bool = False) -> bool:
     view = run.recorder.view if run.recorder else None
     if view is None or view.progress is None or time.time() - view.progress_seen_at > 2.0:
         return False
-    if final and run.cluster is not None and any(
-        (node := run.cluster.node(f.node)) is not None and not node.unschedulable for f in run.flaky.values()
-    ):
-        return False
+    if final and run.cluster is not None:
+        for flaky in run.flaky.values():
+            node = run.cluster.node(flaky.node)
+            if node is not None and not node.unschedulable:
+                return False
+            # ... and the job has trained on since it was dealt with, not just re-formed.
+            dealt_with = run.dealt_with.setdefault(flaky.node, time.time())
+            if view.progress_seen_at < dealt_with + 2.0:
+                return False
     return view.plan is None or view.plan.phase == "done"
 
 
