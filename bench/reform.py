@@ -64,6 +64,10 @@ from regroup.records import Progress
 
 MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d")
 """In the order they are played; the first is the reference of every ratio."""
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "regroup-no-snapshot": ("regroup", {"snapshot": {"every": 0}}),
+}
+"""Further modes (``--modes``): a demo mode with trainer settings over the scenario's."""
 QUICK_DURATION = "110s"
 TAIL_S = 25.0
 """An event is played only if it leaves this many seconds before the end of the run."""
@@ -99,7 +103,7 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
     """The metrics of one recorded run, keyed as ``METRICS``. A key is absent for an event
     the run did not play; None means the new size never came (latencies) or the job was
     not training (flaky, with ``flaky_note``)."""
-    out: dict[str, Any] = {"mode": run.mode, "run": str(run.root), "goodput": goodput(run)}
+    out: dict[str, Any] = {"mode": run.meta.get("mode_label", run.mode), "run": str(run.root), "goodput": goodput(run)}
     latencies = reform_latencies(run, join_window)
     for latency in latencies:
         key = _EVENT_KEYS[latency.event.reason]
@@ -319,14 +323,23 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
             layout.logs.mkdir(parents=True, exist_ok=True)
             router.target = JsonLinesSpanExporter(layout.spans)
             print(f"bench reform: playing {scenario.name!r} on {mode} in {layout.root}", flush=True)
+            demo_mode, trainer = VARIANTS.get(mode, (mode, {}))
+            variant = replace(scenario, trainer=_merged(scenario.trainer, trainer))
             # The live view's line a second goes to a log; the terminal gets the tables.
             with open(layout.logs / "live.log", "w") as live:
-                played = run_scenario(scenario, mode, layout, stream=live, live=False)
+                played = run_scenario(variant, demo_mode, layout, stream=live, live=False)  # type: ignore[arg-type]
                 asyncio.run(cancelled_by_sigterm(played))
     finally:
         provider.shutdown()
         log_stream.close()
     return [layout.root for layout in layouts]
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = _merged(merged.get(key) or {}, value) if isinstance(value, dict) else value
+    return merged
 
 
 def _join_window(name: str) -> tuple[float, str]:
@@ -343,9 +356,10 @@ def _join_window(name: str) -> tuple[float, str]:
 def _play_from(args: argparse.Namespace, header: list[str]) -> list[RunData] | int:
     """Play the scenario the arguments name in each mode; the runs, or an exit code."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES] or ([] if modes else [""])
+    unknown = [m for m in modes if m not in (*MODES, *VARIANTS)] or ([] if modes else [""])
     if unknown:
-        print(f"bench reform: --modes: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})", file=sys.stderr)
+        known = ", ".join((*MODES, *VARIANTS))
+        print(f"bench reform: --modes: unknown mode {unknown[0]!r} (known: {known})", file=sys.stderr)
         return 2
     try:
         scenario = load_scenario(resolve_scenario_path(args.scenario))
@@ -374,7 +388,10 @@ def _play_from(args: argparse.Namespace, header: list[str]) -> list[RunData] | i
         f"played {scenario.name!r} ({scenario.duration.total_seconds():.0f} s of scenario) on "
         f"{', '.join(modes)}, one after the other, in {time.time() - started:.0f} s wall: {root}"
     )
-    return [load_run(folder) for folder in folders]
+    runs = [load_run(folder) for folder in folders]
+    for run, mode in zip(runs, modes):
+        run.meta["mode_label"] = mode
+    return runs
 
 
 def main(argv: list[str]) -> int:
@@ -393,6 +410,9 @@ def main(argv: list[str]) -> int:
     if args.runs:
         try:
             runs = [load_run(d) for d in args.runs]
+            for run, folder in zip(runs, args.runs):
+                if folder.name in VARIANTS:  # a sub-folder of a played run is named after its mode
+                    run.meta["mode_label"] = folder.name
         except FileNotFoundError as exc:
             print(f"bench reform: {exc}", file=sys.stderr)
             return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
@@ -119,14 +120,22 @@ def main(argv: list[str] | None = None) -> int:
 
         if cfg.etcd is not None and runtime.rank == 0:
             channel = open_channel()
-        info = RunInfo(restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        info = RunInfo(
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            # The topology init container exports the node's zone; REGROUP_FAILURE_DOMAIN overrides it.
+            place=(
+                env.get("REGROUP_FAILURE_DOMAIN") or env.get("REGROUP_ZONE", ""),
+                env.get("NODE_NAME") or socket.gethostname(),
+            ),
+            ranks_on_node=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        )
         try:
             run = TrainingRun(
                 cfg, runtime, info, stop, channel, world=world, open_channel=open_channel if cfg.etcd else None
             )
             run.change.add("startup", startup_s)
             run.change.add("process_group", process_group_s)
-        except BatchSplitError as exc:
+        except (BatchSplitError, ConfigError) as exc:  # e.g. no host memory for the snapshots
             log.error("bad configuration", error=str(exc))
             print(f"regroup-train: {exc}", file=sys.stderr)
             code = 2

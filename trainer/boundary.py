@@ -1,10 +1,11 @@
 """The step-boundary agreement: one tiny all-reduce per step.
 
 Every rank contributes its stop flag, whether its agent announced an in-place re-form,
-and its local loss; rank 0 alone contributes the checkpoint-request generation it saw
-and whether a timed save is due (its clock decides, so ranks never disagree). One SUM
-all-reduce of five float64 numbers gives every rank the same decision; with nothing
-pending nothing else happens.
+its local loss, whether its in-memory snapshot in flight is complete and what snapshots
+cost it; rank 0 alone contributes the checkpoint-request generation it saw and whether a
+timed save is due (its clock decides, so ranks never disagree). One SUM all-reduce of
+seven float64 numbers gives every rank the same decision; with nothing pending nothing
+else happens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Boundary:
     """Mean of the ranks' losses (equal shares of the global batch: the global mean)."""
     reform: bool = False
     """Some rank's agent announced an in-place re-form: every rank leaves the world here."""
+    snapshot_done: bool = True
+    """Every rank completed its in-flight in-memory snapshot (copied, sent and received)."""
+    snapshot_cost: float = 0.0
+    """Mean over ranks of what a snapshot costs, as a share of a step without one."""
 
 
 def agree(
@@ -40,8 +45,21 @@ def agree(
     save_due: bool,
     loss: float,
     reform: bool = False,
+    snapshot_done: bool = True,
+    snapshot_cost: float = 0.0,
 ) -> Boundary:
-    values = torch.tensor([float(generation), float(stop), float(save_due), loss, float(reform)], dtype=torch.float64)
+    values = torch.tensor(
+        [float(generation), float(stop), float(save_due), loss, float(reform), float(snapshot_done), snapshot_cost],
+        dtype=torch.float64,
+    )
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-    generation_sum, stop_sum, due_sum, loss_sum, reform_sum = values.tolist()
-    return Boundary(int(generation_sum), stop_sum > 0, due_sum > 0, loss_sum / world_size, reform_sum > 0)
+    generation_sum, stop_sum, due_sum, loss_sum, reform_sum, done_sum, cost_sum = values.tolist()
+    return Boundary(
+        int(generation_sum),
+        stop_sum > 0,
+        due_sum > 0,
+        loss_sum / world_size,
+        reform_sum > 0,
+        round(done_sum) == world_size,
+        cost_sum / world_size,
+    )

@@ -234,6 +234,29 @@ class ReformConfig:
 
 
 @dataclass(frozen=True)
+class SnapshotConfig:
+    """In-memory snapshots (under ``regroup-run``): every ``every`` steps each rank keeps its
+    model and optimizer shards in host memory, and a copy on a rank of another node, so a
+    node lost without notice costs at most that many steps instead of everything since the
+    last committed checkpoint. Host memory: about 4x the rank's share of model + optimizer
+    state (two generations of its own snapshot and of the copy it keeps for its sender)."""
+
+    every: int | Literal["auto"] = "auto"
+    """Steps between snapshots; ``auto``: every step while a snapshot costs under 2% of the
+    step time (measured: steps beside a snapshot against steps without), less often when it
+    would cost more; 0: no snapshots."""
+
+    def __post_init__(self) -> None:
+        if self.every != "auto" and self.every < 0:
+            raise ConfigError("snapshot.every: must be >= 0 or auto")
+
+    @property
+    def interval(self) -> int | None:
+        """Steps between snapshots (None: auto, 0: off)."""
+        return None if self.every == "auto" else int(self.every)
+
+
+@dataclass(frozen=True)
 class Fault:
     """An injected failure at a (rank, step), for tests of the recovery paths."""
 
@@ -263,6 +286,7 @@ class TrainConfig:
     etcd: EtcdConfig | None = None
     """Set to talk to the job's etcd keys (also enabled by env REGROUP_ETCD_ENDPOINT)."""
     reform: ReformConfig = field(default_factory=ReformConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     max_steps: int = 100
     """Stop after this many optimizer steps (counted across restarts)."""
     seed: int = 0
@@ -295,8 +319,13 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, name)
+        errors = []
+        for inner in (a for a in args if a is not type(None)):
+            try:
+                return _convert(inner, value, name)
+            except ConfigError as exc:
+                errors.append(str(exc).removeprefix(f"{name}: "))
+        raise ConfigError(f"{name}: {' or '.join(errors)}")
     if origin is Literal:
         if value not in typing.get_args(tp):
             choices = ", ".join(repr(c) for c in typing.get_args(tp))

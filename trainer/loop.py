@@ -31,7 +31,15 @@ from regroup.records import CheckpointAck, CheckpointRequest, Progress
 from regroup.telemetry import context_from_traceparent
 from trainer.batching import BatchPlan, plan_batches
 from trainer.boundary import Boundary, agree
-from trainer.checkpoint import AppState, Checkpointer, TrainerState, checkpoint_id, folder_bytes, step_dir
+from trainer.checkpoint import (
+    AppState,
+    Checkpointer,
+    TrainerState,
+    checkpoint_id,
+    folder_bytes,
+    latest_committed,
+    step_dir,
+)
 from trainer.config import TrainConfig
 from trainer.control import JobChannel, pending_generation
 from trainer.data import batch, make_source
@@ -41,6 +49,7 @@ from trainer.schedule import lr_at
 from trainer.stopping import StopSignal, exit_code
 from trainer.handoff import hand_off
 from trainer.reshard import HeldState, hold_state, redistribute
+from trainer.snapshot import Snapshots
 from trainer.world_change import WorldChange
 from rendezvous.inplace.world import Interrupted, ReformFailed
 
@@ -66,6 +75,10 @@ class RunInfo:
     """torchrun's TORCHELASTIC_RESTART_COUNT."""
     started_at: float = 0.0
     """``time.perf_counter()`` when the process entered ``main`` (0: unknown)."""
+    place: tuple[str, str] = ("", "")
+    """(failure domain, node) this process runs in: a snapshot's copy goes to another place."""
+    ranks_on_node: int = 1
+    """Ranks of this job on this node (torchrun's LOCAL_WORLD_SIZE), for the memory check."""
 
 
 @dataclass
@@ -78,6 +91,8 @@ class Counters:
     """Checkpoint requests saved for (and acked by rank 0)."""
     last_stall_s: float = 0.0
     """Time the loop was blocked by the latest save."""
+    snapshot_stall_s: float = 0.0
+    """Time the loop waited for in-memory snapshot copies, in total."""
     state: str = "starting"
     """starting, training, holding, stopped or finished."""
 
@@ -112,6 +127,7 @@ class TrainingRun:
         self.change = WorldChange(mode="restart" if info.restart_count else "")
         """How the current world came to be, and what resuming in it cost."""
         self.channel: JobChannel | None = None
+        self.snapshots: Snapshots | None = None
         self._attach(runtime, channel)
 
     def _attach(self, runtime: Runtime, channel: JobChannel | None) -> None:
@@ -135,6 +151,18 @@ class TrainingRun:
             self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
         self.app = AppState(self.model, self.optimizer, self.state)
+        if self.snapshots is not None:
+            self.snapshots.close()
+        every = cfg.snapshot.interval
+        in_place = self.world is not None and self.world.in_place
+        self.snapshots = (
+            Snapshots(
+                self.model, self.optimizer, runtime.rank, runtime.world_size, self.info.place, every,
+                self.world.timeout if self.world is not None else None, self.info.ranks_on_node,
+            )
+            if in_place and every != 0 and runtime.world_size > 1
+            else None
+        )  # fmt: skip
         if getattr(self, "checkpointer", None) is not None:
             self.checkpointer.close()
         die_at = self._fault_step("kill_during_save")
@@ -182,8 +210,20 @@ class TrainingRun:
                 "requests_honoured": c.requests_honoured,
                 "last_checkpoint_stall_s": round(c.last_stall_s, 6),
                 "last_committed_step": None if self.checkpointer is None else self.checkpointer.last_committed,
+                **self._snapshot_progress(),
             },
         )
+
+    def _snapshot_progress(self) -> dict[str, Any]:
+        snapshots = self.snapshots
+        if snapshots is None:
+            return {}
+        return {
+            "snapshot_every": snapshots.every,
+            "snapshot_step": None if snapshots.committed is None else snapshots.committed.step,
+            "snapshot_stall_s": round(self.counters.snapshot_stall_s, 6),
+            "snapshot_host_bytes": snapshots.host_bytes,
+        }
 
     def last_words(self) -> Progress:
         """Progress for a forced exit (the watchdog's): the last completed step."""
@@ -212,8 +252,11 @@ class TrainingRun:
         if self.checkpointer is not None:
             self.checkpointer.prepare()
         t0 = time.perf_counter()
+        stored = latest_committed(self.checkpointer.root) if self.checkpointer is not None else None
         try:
-            step = redistribute(self.model, self.optimizer, held or None, torch.distributed.group.WORLD)
+            step = redistribute(
+                self.model, self.optimizer, held or None, torch.distributed.group.WORLD, not_before=stored or 0
+            )
         except ValueError as exc:
             if held:
                 log.warning("state cannot be rebuilt in memory; loading the checkpoint", why=str(exc)[:300])
@@ -294,6 +337,8 @@ class TrainingRun:
         if self.checkpointer is not None:
             # A save staged in the background must finish copying before parameters change.
             self.counters.last_stall_s += self.checkpointer.wait_staged()
+        if self.snapshots is not None:
+            self.counters.snapshot_stall_s += self.snapshots.wait_copied()  # likewise
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step = step + 1
@@ -307,7 +352,8 @@ class TrainingRun:
 
     # --- the boundary ---------------------------------------------------------------
 
-    def boundary(self, local_loss: float) -> tuple[Boundary, CheckpointRequest | None]:
+    def boundary(self, local_loss: float, started: float = 0.0) -> tuple[Boundary, CheckpointRequest | None]:
+        """``started``: ``time.perf_counter()`` when the step began (what snapshots cost is measured)."""
         request = None
         generation = 0
         save_due = False
@@ -326,8 +372,15 @@ class TrainingRun:
             save_due=save_due,
             loss=local_loss,
             reform=self._reform_due(),
+            snapshot_done=self.snapshots is None or self.snapshots.done(self.state.step),
+            snapshot_cost=0.0 if self.snapshots is None else self.snapshots.observe(time.perf_counter() - started),
         )
         self._leave_if_due(decided)
+        if self.snapshots is not None and not decided.stop:
+            self.snapshots.agreed(decided.snapshot_done, decided.snapshot_cost)
+            if self.snapshots.due(self.state.step):
+                self.snapshots.take(self.state.step)
+            self.snapshots.settled()
         return decided, request if decided.generation else None
 
     def _reform_due(self) -> bool:
@@ -484,7 +537,7 @@ class TrainingRun:
             local_loss = self.train_step()
             compute_s = time.perf_counter() - started
             self.tokens_per_s = tokens_per_step / compute_s if compute_s > 0 else 0.0
-            decided, request = self.boundary(local_loss)
+            decided, request = self.boundary(local_loss, started)
             self.last_loss = decided.loss
             if not self.change.first_step_done:
                 self._resumed(time.perf_counter() - started)
@@ -536,6 +589,13 @@ class TrainingRun:
         if refuse_at is not None and old_step >= refuse_at:
             raise ReformFailed(f"injected: rank {self.rt.rank} refuses the re-form at step {old_step}")
         held, leaving = self._hold(clean) if self.cfg.reform.in_memory else ([], False)
+        if self.snapshots is not None:
+            if not leaving and self.cfg.reform.in_memory:
+                # The newest step the survivors hold whole wins: the live state after an agreed
+                # boundary, else the snapshots (a node lost without notice, a failed hand-off).
+                held += self.snapshots.held()
+            self.snapshots.close()
+            self.snapshots = None
         if leaving:
             # This node is leaving the job: its shards are with a survivor; its agent stops it.
             self.world.leave()

@@ -41,7 +41,7 @@ class HeldState:
     """Non-tensor entries: the optimizer's param-group settings (lr, betas, ...)."""
 
 
-def _flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     # For a fresh optimizer get_state_dict first creates the state (zeros, via a step at
     # lr=0), so newcomers get templates of the right shapes and placements.
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
@@ -49,7 +49,7 @@ def _flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return dict(sorted(flat.items()))
 
 
-def _split(flat: dict[str, Any]) -> HeldState:
+def split_state(flat: dict[str, Any]) -> HeldState:
     """The flat state as a HeldState whose tensors are still the DTensors (no rank yet)."""
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -79,7 +79,7 @@ def hold_state(
     """Capture this rank's shards (call before tearing down the old process group); no
     communication. Do not step the old optimizer afterwards: the shards are not copied.
     Also calls ``forget_old_meshes``, so the next world's model gets fresh meshes."""
-    state = _split(_flat_state(model, optimizer))
+    state = split_state(flat_state(model, optimizer))
     tensors: dict[str, torch.Tensor] = {}
     for key, value in state.tensors.items():
         if not isinstance(value, DTensor):
@@ -104,28 +104,52 @@ def _as_list(entry: Info | list[Info] | None) -> list[Info]:
     return list(entry) if isinstance(entry, list) else [entry]
 
 
-def _refusal(infos: list[Info | list[Info] | None]) -> str | None:
-    """Why the survivors' (old_rank, old_world_size, step) cannot rebuild the old state, or None."""
-    present = [info for entry in infos for info in _as_list(entry)]
+@dataclass(frozen=True)
+class Choice:
+    """Which held states rebuild the old world: the newest step at which the survivors
+    between them hold every old rank's shards, and who contributes each."""
+
+    step: int
+    old_world_size: int
+    sources: dict[int, tuple[int, int]]
+    """Old rank -> (new rank holding it, index in that rank's list of held states)."""
+
+    def mine(self, new_rank: int) -> list[int]:
+        """Indices into ``new_rank``'s held states that it contributes, by old rank."""
+        return [j for _, (holder, j) in sorted(self.sources.items()) if holder == new_rank]
+
+    def slot(self, old_rank: int) -> tuple[int, int]:
+        """(holding new rank, position among what it contributes) of ``old_rank``."""
+        holder, j = self.sources[old_rank]
+        return holder, self.mine(holder).index(j)
+
+
+def choose(infos: list[Info | list[Info] | None]) -> Choice | str:
+    """Per new rank, the (old_rank, old_world_size, step) of every state it holds (a list:
+    its own, shards a leaving rank handed it, in-memory snapshots and buddy copies), or None
+    for a newcomer. The newest step whose states cover the old ranks 0..W-1 wins; a rank
+    held twice at that step is taken from the lowest new rank. A string says why none can."""
+    present = [(new_rank, j, info) for new_rank, entry in enumerate(infos) for j, info in enumerate(_as_list(entry))]
     if not present:
         return "no rank holds state"
-    sizes, steps = {w for _, w, _ in present}, {s for _, _, s in present}
+    sizes = {w for _, _, (_, w, _) in present}
     if len(sizes) > 1:
         return f"survivors disagree on the old world size: {sorted(sizes)}"
-    if len(steps) > 1:
-        return f"survivors disagree on the step: {sorted(steps)}"
-    old_ranks = sorted(r for r, _, _ in present)
     (size,) = sizes
-    if old_ranks != list(range(size)):
-        return f"old ranks held {old_ranks} do not cover the old world 0..{size - 1} exactly once"
-    return None
+    for step in sorted({s for _, _, (_, _, s) in present}, reverse=True):
+        sources: dict[int, tuple[int, int]] = {}
+        for new_rank, j, (old_rank, _, s) in present:
+            if s == step and 0 <= old_rank < size:
+                sources.setdefault(old_rank, (new_rank, j))
+        if len(sources) == size:
+            return Choice(step, size, sources)
+    steps = sorted({s for _, _, (_, _, s) in present})
+    return f"no step at which the old ranks 0..{size - 1} are all held (steps held: {steps})"
 
 
 def can_redistribute(infos: list[Info | list[Info] | None]) -> bool:
-    """Per new rank (old_rank, old_world_size, step) — or a list of them, for a survivor that
-    also holds shards a leaving rank handed it — or None for a newcomer: True iff the old
-    ranks 0..W-1 are all present exactly once and the survivors agree on W and the step."""
-    return _refusal(infos) is None
+    """True iff ``choose`` finds a step at which the survivors hold the whole old world."""
+    return isinstance(choose(infos), Choice)
 
 
 def redistribute(
@@ -133,47 +157,56 @@ def redistribute(
     optimizer: torch.optim.Optimizer,
     held: HeldState | list[HeldState] | None,
     group: dist.ProcessGroup,
+    not_before: int = 0,
 ) -> int:
     """Collective over the new world (every rank calls it; newcomers pass ``held=None``).
     Fills the freshly built model and optimizer (FSDP2 on the new mesh, optimizer without
     state yet) from the survivors' shards and returns the step. A survivor may hold several
-    old ranks' shards (its own and those a leaving rank handed it). Raises ValueError on
-    every rank, with the same message, when the survivors cannot rebuild the old state."""
+    old ranks' shards, at several steps (its own, those a leaving rank handed it, in-memory
+    snapshots and its buddies' copies): the newest step held whole is taken (``choose``).
+    Raises ValueError on every rank, with the same message, when the survivors cannot
+    rebuild the old state, or only at a step older than ``not_before`` (the newest committed
+    checkpoint, which is then the better place to resume from)."""
     states = [] if held is None else (list(held) if isinstance(held, list) else [held])
-    target = _flat_state(model, optimizer)
-    fresh = _split(target)
+    target = flat_state(model, optimizer)
+    fresh = split_state(target)
     info = [(h.old_rank, h.old_world_size, h.step) for h in states]
     held_layout = _layout(states[0]) if states else None
     gathered: list[Any] = [None] * dist.get_world_size(group)
     # One small message carries everything checked, so every rank refuses alike or none does.
-    dist.all_gather_object(gathered, (info, _stale_mesh(fresh, group), held_layout, _layout(fresh)), group=group)
+    message = (info, _stale_mesh(fresh, group), not_before, held_layout, _layout(fresh))
+    dist.all_gather_object(gathered, message, group=group)
     infos = [entry[0] or None for entry in gathered]
-    refusal = _refusal(infos)
-    if refusal is not None:
-        raise ValueError(f"cannot redistribute in memory: {refusal} (per new rank: {infos})")
+    choice = choose(infos)
+    if isinstance(choice, str):
+        raise ValueError(f"cannot redistribute in memory: {choice} (per new rank: {infos})")
+    newer = max(entry[2] for entry in gathered)
+    if choice.step < newer:
+        raise ValueError(f"cannot redistribute in memory: memory holds step {choice.step}, storage has {newer}")
     stale = [rank for rank, entry in enumerate(gathered) if entry[1]]
     if stale:
         raise ValueError(
             f"cannot redistribute in memory: new ranks {stale} see a mesh that is not the new world's "
             "(1-D over the group, coordinate = group rank); was forget_old_meshes called?"
         )
-    if len({layout for entry in gathered for layout in entry[2:] if layout is not None}) > 1:
+    if len({layout for entry in gathered for layout in entry[3:] if layout is not None}) > 1:
         raise ValueError("cannot redistribute in memory: the held state does not match the new model and optimizer")
 
-    _, old_size, step = next(i for entry in infos for i in _as_list(entry))
-    slots = max(len(_as_list(entry)) for entry in infos)
-    # Old rank -> its slot in the gathered buffer: (holding new rank, position in its list).
-    holder = {i[0]: (new_rank, j) for new_rank, entry in enumerate(infos) for j, i in enumerate(_as_list(entry))}
-    order = [holder[old_rank][0] * slots + holder[old_rank][1] for old_rank in range(old_size)]
+    old_size, step = choice.old_world_size, choice.step
+    me = dist.get_rank(group)
+    mine = [states[j] for j in choice.mine(me)]
+    slots = max(len(choice.mine(rank)) for rank in range(len(infos)))
+    # Old rank -> its slot in the gathered buffer: holding new rank, position in what it sends.
+    order = [holder * slots + position for holder, position in map(choice.slot, range(old_size))]
     with torch.no_grad():
         for bucket in _buckets(fresh, old_size, slots):
-            _regather_bucket(bucket, fresh, states, slots, old_size, order, group)
+            _regather_bucket(bucket, fresh, mine, slots, old_size, order, group)
         # Small entries (AdamW's step, param-group settings) come whole from old rank 0.
         payload: list[Any] = [None]
-        first = next((h for h in states if h.old_rank == 0), None)
+        first = next((h for h in mine if h.old_rank == 0), None)
         if first is not None:
             payload = [({k: first.tensors[k].cpu() for k in fresh.tensors if k not in fresh.sharded}, first.values)]
-        dist.broadcast_object_list(payload, group=group, group_src=holder[0][0])
+        dist.broadcast_object_list(payload, group=group, group_src=choice.sources[0][0])
         plain, values = payload[0]
         target.update({k: v.to(fresh.tensors[k].device) for k, v in plain.items()})
         target.update(values)
@@ -199,7 +232,7 @@ BUCKET_BYTES = 64 << 20
 """Upper bound on one rank's contribution to one all-gather (its padded old chunks)."""
 
 
-def _chunk(rows: int, world: int) -> int:
+def chunk_rows(rows: int, world: int) -> int:
     """Rows per shard under torch.chunk semantics: ceil(n/W), the last shards short or empty."""
     return -(-rows // world)
 
@@ -213,7 +246,7 @@ def _buckets(fresh: HeldState, old_size: int, slots: int) -> list[list[str]]:
     for key in sorted(fresh.sharded):
         dest = fresh.tensors[key]
         row = dest[0].numel() if dest.dim() > 1 else 1
-        nbytes = slots * _chunk(dest.shape[0], old_size) * row * dest.element_size()
+        nbytes = slots * chunk_rows(dest.shape[0], old_size) * row * dest.element_size()
         this = (dest.dtype, dest.device.type)
         if current and (this != kind or size + nbytes > BUCKET_BYTES):
             buckets.append(current)
@@ -237,7 +270,7 @@ def _regather_bucket(
     """Rebuild the full tensors of ``keys`` from the old shards (one all-gather of every
     rank's padded old chunks) and copy this rank's new shard of each into the new model."""
     dests = [fresh.tensors[k] for k in keys]
-    widths = [_chunk(d.shape[0], old_size) * (d[0].numel() if d.dim() > 1 else 1) for d in dests]
+    widths = [chunk_rows(d.shape[0], old_size) * (d[0].numel() if d.dim() > 1 else 1) for d in dests]
     span = sum(widths)  # elements of one old rank's padded chunks of every key
     sample = dests[0].to_local()
     mine = torch.zeros(slots * span, dtype=sample.dtype, device=sample.device)
@@ -259,6 +292,6 @@ def _regather_bucket(
         parts = [gathered[i * span + offset : i * span + offset + width] for i in order]
         full = torch.cat(parts).view(-1, *dest.shape[1:])[:rows]
         local = dest.to_local()
-        start = me * _chunk(rows, world)  # the new mesh's coordinate is the group rank
+        start = me * chunk_rows(rows, world)  # the new mesh's coordinate is the group rank
         local.copy_(full[start : start + local.shape[0]])
         offset += width

@@ -161,7 +161,11 @@ class InPlaceJob:
 
         return wait_for(acked, timeout, f"the ack of checkpoint request {generation}")  # type: ignore[no-any-return]
 
+    def expect(self, generation: int, nodes: list[str], cause: str = "manual") -> None:
+        """The next round holds exactly ``nodes`` (it waits for all of them)."""
+        self._put(self.keys.expected, ExpectedMembership(generation, nodes, cause).to_json())
+
     def reform(self, generation: int, nodes: list[str], cause: str = "manual") -> None:
         """The next round holds exactly ``nodes``; every running agent re-forms now."""
-        self._put(self.keys.expected, ExpectedMembership(generation, nodes, cause).to_json())
+        self.expect(generation, nodes, cause)
         self._put(self.keys.reform, ReformRequest(generation, cause, requested_at=time.time()).to_json())

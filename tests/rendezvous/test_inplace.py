@@ -32,6 +32,17 @@ def job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterato
         running.close()
 
 
+@pytest.fixture
+def job_without_snapshots(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterator[InPlaceJob]:
+    """An unplanned loss then rolls back to the newest committed checkpoint (with snapshots
+    it costs one step: tests/trainer/test_snapshot_recovery.py)."""
+    running = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer={"snapshot": {"every": 0}})
+    try:
+        yield running
+    finally:
+        running.close()
+
+
 def _start(job: InPlaceJob, nodes: list[str], **kwargs: object) -> dict[str, list[int]]:
     for node in nodes:
         job.start(node, **kwargs)  # type: ignore[arg-type]
@@ -41,7 +52,10 @@ def _start(job: InPlaceJob, nodes: list[str], **kwargs: object) -> dict[str, lis
     return pids
 
 
-def test_survivors_keep_their_processes_across_an_unplanned_loss_and_a_grow(job: InPlaceJob) -> None:
+def test_survivors_keep_their_processes_across_an_unplanned_loss_and_a_grow(
+    job_without_snapshots: InPlaceJob,
+) -> None:
+    job = job_without_snapshots
     pids = _start(job, ["a", "b", "c"])
     before = job.await_progress("a committed checkpoint", lambda p: (p.extra.get("last_committed_step") or 0) >= 5)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.harness import check, events, flat_tensors, torchrun, write_config
+from tests.trainer.checkpoint_worker import NEW_EXP_AVG, NEW_LR
+from tests.trainer.harness import check, events, flat_tensors, full_state, torchrun, write_config
 from trainer.checkpoint import COMMIT_MARKER, latest_committed, list_steps, prune, step_dir, write_commit_marker
 
 pytestmark = pytest.mark.slow
@@ -69,3 +70,26 @@ def test_rank_killed_mid_save_leaves_a_checkpoint_that_is_never_loaded(
     removed = events(result.stderr, "removed uncommitted checkpoints")
     assert [e["steps"] for e in removed] == [[4]]
     assert list_steps(ckpt) == [(2, True), (4, True), (5, True)]
+
+
+def test_async_save_holds_the_current_settings_and_a_replaced_optimizer_state(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    # The AppState reuses its get_state_dict result between saves: a new learning rate, and
+    # an optimizer state replaced past it (as an in-memory reshard does), must still be saved.
+    ckpt, out = tmp_path / "ckpt", tmp_path / "expected.pt"
+    argv = [sys.executable, "-m", "tests.trainer.checkpoint_worker", str(ckpt), str(out)]
+    check(subprocess.run(argv, env=worker_env, capture_output=True, text=True, timeout=120))
+    expected = torch.load(out, weights_only=False)
+    assert list_steps(ckpt) == [(1, True), (2, True), (3, True)]
+    assert [group["lr"] for group in full_state(ckpt, 1, tmp_path)["optim"]["param_groups"]] != [NEW_LR]
+    assert [group["lr"] for group in full_state(ckpt, 2, tmp_path)["optim"]["param_groups"]] == [NEW_LR]
+    saved = full_state(ckpt, 3, tmp_path)
+    assert saved["trainer"]["step"] == expected["step"] == 3
+    want = flat_tensors({"model": expected["model"], "optim": expected["optim"]})
+    got = flat_tensors({"model": saved["model"], "optim": saved["optim"]["state"]})
+    assert sorted(got) == sorted(want)
+    exp_avgs = [key for key in want if key.endswith(".exp_avg")]
+    assert exp_avgs and all(bool((want[key] == NEW_EXP_AVG).all()) for key in exp_avgs)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{key}: the save does not hold the state at save time"

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.reshard import can_redistribute
+from trainer.reshard import Choice, can_redistribute, choose
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,16 +96,35 @@ def _results(out: Path) -> list[dict[str, Any]]:
     return [json.loads((out / f"proc-{p}.json").read_text()) for p in range(3)]
 
 
-def test_can_redistribute_needs_every_old_rank_once_at_one_step() -> None:
+def test_can_redistribute_needs_every_old_rank_at_one_step() -> None:
     assert can_redistribute([(0, 2, 5), (1, 2, 5), None])
     assert can_redistribute([None, (1, 2, 5), (0, 2, 5)])
     assert can_redistribute([(0, 1, 5), None, None])
+    assert can_redistribute([(0, 2, 5), (1, 2, 5), (1, 2, 5)]), "old rank 1 twice: one copy is used"
     assert not can_redistribute([(0, 2, 5), None, None]), "old rank 1 is missing"
     assert not can_redistribute([(0, 2, 5), (0, 2, 5), None]), "old rank 0 twice, 1 missing"
-    assert not can_redistribute([(0, 2, 5), (1, 2, 5), (1, 2, 5)]), "old rank 1 twice"
-    assert not can_redistribute([(0, 2, 5), (1, 2, 6), None]), "steps disagree"
+    assert not can_redistribute([(0, 2, 5), (1, 2, 6), None]), "no step holds both"
     assert not can_redistribute([(0, 2, 5), (1, 3, 5), None]), "old world sizes disagree"
     assert not can_redistribute([None, None]), "nobody holds state"
+
+
+def test_the_newest_step_held_whole_is_chosen_from_snapshots_and_buddy_copies() -> None:
+    # Old world of 3, old rank 2 lost without notice. The survivors hold their own snapshots
+    # of steps 7 and 8; old rank 2's copies are on its buddies, 7 on new rank 0, 8 on new rank 1.
+    held = [
+        [(0, 3, 7), (0, 3, 8), (2, 3, 7)],  # new rank 0: old rank 0 at 7 and 8, old rank 2's copy at 7
+        [(1, 3, 7), (1, 3, 8), (2, 3, 8)],  # new rank 1: old rank 1 at 7 and 8, old rank 2's copy at 8
+    ]
+    choice = choose(held)  # type: ignore[arg-type]
+    assert isinstance(choice, Choice) and choice.step == 8
+    assert choice.sources == {0: (0, 1), 1: (1, 1), 2: (1, 2)}
+    assert choice.mine(0) == [1] and choice.mine(1) == [1, 2]
+    assert choice.slot(2) == (1, 1)
+    # Old rank 2's copy of step 8 never arrived: step 7 is the newest held whole.
+    earlier = choose([held[0], held[1][:2]])  # type: ignore[arg-type]
+    assert isinstance(earlier, Choice) and earlier.step == 7
+    assert earlier.sources == {0: (0, 0), 1: (1, 0), 2: (0, 2)}
+    assert "no step" in str(choose([[(0, 3, 7)], [(1, 3, 8)]]))
 
 
 def test_grow_lands_on_the_exact_old_state_without_a_checkpoint(grown: Path) -> None:
@@ -132,4 +151,4 @@ def test_shrink_refuses_on_every_rank_instead_of_hanging(grown: Path) -> None:
     errors = [r.get("shrink_error") for r in results]
     assert errors[1] is None, "old rank 1 stays out of the shrunk world"
     assert errors[0] is not None and errors[0] == errors[2]
-    assert "do not cover the old world 0..1" in errors[0]
+    assert "no step at which the old ranks 0..1 are all held" in errors[0]

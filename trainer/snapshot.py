@@ -1,0 +1,479 @@
+"""In-memory snapshots of every rank's shards, each with a copy on a buddy rank of another node.
+
+Every K steps, at the agreed step boundary, each rank copies its model and optimizer shards
+(the state a DCP checkpoint holds) into host memory, and a background thread sends that
+copy to its *buddy* while the next step computes; the rank receives the copy of the rank
+whose buddy it is. When a node dies without notice, the survivors hold, between their own
+snapshots and their buddies' copies, every old rank's shards at one step, and rebuild the
+new world's sharding from memory (``trainer.reshard.redistribute``): at most K steps are
+lost instead of everything since the last committed checkpoint.
+
+Consistency follows the rule of ``COMMITTED`` for storage: a generation (the snapshots of
+one step) counts once every rank has copied and exchanged it, which the ranks learn at a
+step boundary (``Boundary.snapshot_done``). Until then the previous generation is kept, so
+a node lost while its copy is on the wire leaves the one before to recover from. Host
+memory: two generations of this rank's shards and two of its sender's, about 4x the
+rank's share of model + optimizer state.
+
+A rank and its buddy are on different nodes, and in different failure domains when the
+ranks know theirs (``REGROUP_FAILURE_DOMAIN``, else the node's zone, ``REGROUP_ZONE``, which
+the topology init container exports).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.config import ConfigError
+from trainer.reshard import HeldState, chunk_rows, flat_state, split_state
+
+log = structlog.get_logger("regroup.trainer.snapshot")
+
+STALL_BUDGET = 0.02
+"""With ``every: auto``: the share of step time snapshots may cost."""
+QUIET_STEPS = 4
+"""With ``every: auto``: steps timed without snapshots before the first one."""
+MAX_AUTO_EVERY = 1000
+GENERATIONS = 2
+"""Buffers per side: the newest complete generation and the one being made."""
+_ALIGN = 16
+_STAMP = torch.int64
+
+
+class SnapshotMemoryError(ConfigError):
+    """Host memory cannot hold the snapshots; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of one rank's state sits in a flat byte buffer; the last bytes
+    stamp the step and the rank, written after everything else is copied."""
+
+    entries: tuple[Entry, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(shapes: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
+        entries, offset = [], 0
+        for key, shape, dtype in shapes:
+            entries.append(Entry(key, tuple(shape), dtype, offset))
+            offset += -(-entries[-1].nbytes // _ALIGN) * _ALIGN
+        return Layout(tuple(entries), offset + _ALIGN)
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {e.key: buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
+
+    def stamp(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.nbytes - _ALIGN :].view(_STAMP)
+
+
+def layout_for(template: HeldState, rank: int, world_size: int) -> Layout:
+    """The layout of ``rank``'s state, derived from any rank's: a ``Shard(0)`` key holds rows
+    ``[rank * c, (rank + 1) * c)`` of its global shape, c = ceil(rows / world) (torch.chunk)."""
+    shapes = []
+    for key, tensor in sorted(template.tensors.items()):
+        shape = tuple(tensor.shape)
+        if key in template.sharded:
+            full = template.shapes[key]
+            rows = chunk_rows(full[0], world_size)
+            shape = (max(0, min(rows, full[0] - rank * rows)), *full[1:])
+        shapes.append((key, shape, tensor.dtype))
+    return Layout.of(shapes)
+
+
+def buddies(places: Sequence[tuple[str, str]]) -> list[int]:
+    """``buddy[r]`` for each rank, given each rank's (failure domain, node): a rotation of the
+    ranks ordered by place, the shift chosen so the fewest pairs share a node, then a
+    domain. Every rank sends to one rank and receives from one."""
+    n = len(places)
+    order = sorted(range(n), key=lambda r: (places[r], r))
+    per_node: dict[tuple[str, str], int] = {}
+    per_domain: dict[str, int] = {}
+    for place in places:
+        per_node[place] = per_node.get(place, 0) + 1
+        per_domain[place[0]] = per_domain.get(place[0], 0) + 1
+    shifts = {s % n for s in (max(per_node.values()), max(per_domain.values()), *range(1, min(n, 33)))} - {0}
+
+    def cost(shift: int) -> tuple[int, int, int]:
+        pairs = [(places[order[i]], places[order[(i + shift) % n]]) for i in range(n)]
+        return sum(a == b for a, b in pairs), sum(a[0] == b[0] for a, b in pairs), shift
+
+    best = min(shifts, key=cost) if shifts else 0
+    buddy = [0] * n
+    for i, rank in enumerate(order):
+        buddy[rank] = order[(i + best) % n]
+    return buddy
+
+
+def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes of host memory this node can still give: MemAvailable, capped by the cgroup's limit."""
+    available = 0
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit readable: the node's figure stands
+    return available
+
+
+def check_host_memory(needed_per_rank: int, ranks_on_node: int, available: int) -> None:
+    """Refuse (``SnapshotMemoryError``) when the node's ranks' snapshots would not fit in 90%
+    of the host memory available; the message names the setting that turns them off."""
+    needed = needed_per_rank * ranks_on_node
+    if needed > 0.9 * available:
+        gib = 1 << 30
+        raise SnapshotMemoryError(
+            f"snapshot.every: in-memory snapshots need {needed_per_rank / gib:.2f} GiB of host memory per rank "
+            f"({ranks_on_node} on this node: {needed / gib:.2f} GiB) and {available / gib:.2f} GiB is available; "
+            "give the pod more memory, or set snapshot.every: 0 to train without them "
+            "(a node lost without notice then costs the steps since the last committed checkpoint)"
+        )
+
+
+def state_bytes(model: nn.Module) -> int:
+    """This rank's share of model + AdamW state (parameters and two moments), in bytes."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * local.element_size()
+    return 3 * total
+
+
+def interval_for(cost: float) -> int:
+    """Steps between snapshots that keep a snapshot's ``cost`` (a share of one step) under
+    ``STALL_BUDGET`` of the step time."""
+    return max(1, min(MAX_AUTO_EVERY, math.ceil(cost / STALL_BUDGET - 1e-9)))
+
+
+class CostMeter:
+    """What a snapshot costs the loop, measured: the steps that ran while one was copied or
+    exchanged (which takes cores on CPU; memory bandwidth and the GIL on GPU; the loop's
+    waits for it included) against those that ran without."""
+
+    def __init__(self, window: int = 16) -> None:
+        self.quiet: deque[float] = deque(maxlen=window)
+        self.busy: deque[float] = deque(maxlen=window)
+        self._busy_steps = 0
+        self._busy_per_snapshot = 1
+
+    def record(self, step_s: float, busy: bool) -> None:
+        (self.busy if busy else self.quiet).append(step_s)
+        self._busy_steps += busy
+
+    def snapshot_done(self) -> None:
+        """A snapshot completed: the steps it overlapped are what one costs."""
+        self._busy_per_snapshot, self._busy_steps = max(1, self._busy_steps), 0
+
+    def has_baseline(self) -> bool:
+        return len(self.quiet) >= QUIET_STEPS
+
+    def cost(self) -> float:
+        """Extra time of the steps one snapshot overlaps, as a share of a step without one
+        (0 until both kinds were seen). A world's first step warms up: not in the baseline."""
+        if not self.has_baseline() or not self.busy:
+            return 0.0
+        base = statistics.median(list(self.quiet)[1:])
+        extra = max(0.0, statistics.median(self.busy) - base)
+        return extra * self._busy_per_snapshot / base if base > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """The snapshots of one step: this rank's copy and the copy received from its sender."""
+
+    step: int
+    slot: int
+    copied: threading.Event = field(default_factory=threading.Event)
+    """Set when the copy of this rank's shards ended (stamped only if it succeeded)."""
+    received: bool = False
+    """The sender's copy arrived whole."""
+    exchanged: Future[None] | None = None
+    """Ends when the copy was sent and the sender's received; raises if either failed."""
+
+    def complete(self) -> bool:
+        done = self.exchanged
+        return done is not None and done.done() and done.exception() is None
+
+
+class Snapshots:
+    """One rank's snapshots for one world. Every rank makes the same calls at the same steps."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        rank: int,
+        world_size: int,
+        place: tuple[str, str],
+        every: int | None,
+        timeout: Any,
+        ranks_on_node: int = 1,
+    ) -> None:
+        """Collective (every rank of the world, same order of groups): creates the exchange
+        group, learns every rank's place (failure domain, node) and checks that host memory
+        holds the snapshots on every node; if not, every rank raises ``SnapshotMemoryError``.
+        ``every``: steps between snapshots, None: auto."""
+        self.model, self.optimizer = model, optimizer
+        self.rank, self.world_size = rank, world_size
+        self.auto = every is None
+        self.every = 1 if every is None else every
+        self.host_bytes = 2 * GENERATIONS * state_bytes(model)
+        """Host memory the snapshots take on this rank (own and received, both generations)."""
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        refusal = None
+        try:
+            check_host_memory(self.host_bytes, ranks_on_node, host_memory_available())
+        except SnapshotMemoryError as exc:
+            refusal = str(exc)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, (tuple(place), refusal), group=self.group)
+        refused = next((f"rank {r}: {why}" for r, (_, why) in enumerate(gathered) if why), None)
+        if refused:
+            raise SnapshotMemoryError(refused)
+        places = [tuple(p) for p, _ in gathered]
+        self.buddy = buddies(places)
+        self.sender = self.buddy.index(rank)
+        self.device = next(model.parameters()).device
+        self.pinned = self.device.type == "cuda"
+        """On CUDA: pinned host buffers, copied into on a side stream (DMA)."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regroup-snapshot")
+        self._sources: dict[str, torch.Tensor] | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._allocating: Future[None] | None = None
+        self.ready = False
+        """Every rank has its buffers (agreed at a boundary): snapshots may be taken."""
+        self._template: HeldState | None = None
+        self._own: list[torch.Tensor] = []
+        self._received: list[torch.Tensor] = []
+        self.committed: Generation | None = None
+        self.in_flight: Generation | None = None
+        self.last_step = -1
+        self._reported = False
+        self.stall_s = 0.0
+        """Time the loop waited for the snapshots, in total."""
+        self.meter = CostMeter()
+        self._active = False
+        if places[rank] == places[self.buddy[rank]] and world_size > 1:
+            log.warning("snapshot buddy shares this node: a node loss falls back to storage", buddy=self.buddy[rank])
+
+    # --- the loop's calls ---------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether to take one now. ``auto`` first times a few steps without (its baseline)."""
+        if not self.ready or (self.auto and not self.meter.has_baseline()):
+            return False
+        return self.in_flight is None and step - self.last_step >= self.every
+
+    def take(self, step: int) -> None:
+        """At the agreed boundary of ``step`` (the optimizer step done on every rank): copy
+        this rank's shards and start exchanging them. The copy overlaps the next step's
+        forward and backward; ``wait_copied`` must be called before its optimizer step."""
+        slot = 0 if self.committed is None else 1 - self.committed.slot
+        generation = Generation(step, slot)
+        stream_event = None
+        if self.pinned:
+            stream_event = torch.cuda.Event()
+            stream_event.record()
+        self.in_flight = generation
+        self.last_step = step
+        generation.exchanged = self._executor.submit(self._run, generation, stream_event)
+
+    def wait_copied(self) -> float:
+        """Block until the in-flight snapshot's copy is done (the live state may change after);
+        the seconds waited."""
+        generation = self.in_flight
+        if generation is None or generation.copied.is_set():
+            return 0.0
+        started = time.perf_counter()
+        while not generation.copied.wait(0.05):
+            assert generation.exchanged is not None
+            if generation.exchanged.done():
+                break  # failed before the copy finished: nothing more to wait for
+        waited = time.perf_counter() - started
+        self.stall_s += waited
+        return waited
+
+    def done(self, step: int) -> bool:
+        """This rank's contribution to the boundary of ``step``: its in-flight generation is
+        complete. When the next snapshot is due now, waits for the exchange first (counted
+        as stall), so a generation is never more than ``every`` steps old."""
+        if not self.ready:
+            # Host buffers are allocated in the background (pinned memory takes seconds per
+            # GB): snapshots start once every rank has them, without stalling the loop.
+            if self._allocating is None:
+                self._plan()
+                self._allocating = self._executor.submit(self._allocate)
+            if self._allocating.done():
+                self._allocating.result()  # raises what the allocation raised
+                return True
+            return False
+        generation = self.in_flight
+        if generation is None:
+            return True
+        exchanged = generation.exchanged
+        assert exchanged is not None
+        if not exchanged.done() and step - generation.step >= self.every:
+            started = time.perf_counter()
+            wait([exchanged])  # a dead peer fails it; a frozen one is cut off by the world's watcher
+            self.stall_s += time.perf_counter() - started
+        if exchanged.done() and exchanged.exception() is not None and not self._reported:
+            self._reported = True  # the world is breaking; a re-form will follow
+            log.warning("snapshot exchange failed", step=generation.step, error=str(exchanged.exception())[:200])
+        return generation.complete()
+
+    def observe(self, step_s: float) -> float:
+        """Record the step that just ran (``step_s``: from its start to its boundary, the
+        waits for snapshots included); what a snapshot costs, as ``CostMeter.cost``."""
+        self.meter.record(step_s, self._active)
+        return self.meter.cost()
+
+    def agreed(self, all_done: bool, mean_cost: float) -> None:
+        """After a boundary: once every rank completed the in-flight generation it becomes
+        the one to recover from, and (``auto``) the interval follows the agreed cost: as
+        few steps apart as keeps it under ``STALL_BUDGET`` of the step time."""
+        if not self.ready:
+            self.ready = all_done
+            return
+        if self.in_flight is not None and all_done:
+            self.committed, self.in_flight = self.in_flight, None
+            self.meter.snapshot_done()
+            if self.auto and mean_cost > 0:
+                wanted = interval_for(mean_cost)
+                if wanted != self.every:
+                    log.info("snapshot interval", every=wanted, cost_share=round(mean_cost, 4))
+                self.every = wanted
+
+    def settled(self) -> None:
+        """After the boundary's decisions (``agreed``, then ``take`` if ``due``): whether the
+        next step runs beside snapshot work."""
+        self._active = self.in_flight is not None
+
+    def held(self, wait_s: float = 2.0) -> list[HeldState]:
+        """For a re-form after a failure: every generation this rank holds whole, its own and
+        its sender's, as states ``redistribute`` can choose from."""
+        if self._template is None:
+            return []
+        held = []
+        for generation in (self.committed, self.in_flight):
+            if generation is None:
+                continue
+            if generation.exchanged is not None:
+                try:
+                    generation.exchanged.result(timeout=wait_s)
+                except Exception:  # a peer is gone (or the wire was cut): the copy may still be whole
+                    pass
+            if generation.copied.is_set():
+                held.append(self._state(self._own[generation.slot], self.rank, generation.step))
+            if generation.received:
+                held.append(self._state(self._received[generation.slot], self.sender, generation.step))
+        return [h for h in held if h is not None]
+
+    def close(self) -> None:
+        """The world is ending: let an exchange in progress finish or fail, then stop the thread."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- inside --------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        """Find the live tensors (after the first optimizer step, when AdamW's state exists)
+        and lay out the buffers."""
+        flat = split_state(flat_state(self.model, self.optimizer))
+        sources = {k: (v.to_local() if k in flat.sharded else v) for k, v in flat.tensors.items()}
+        template = HeldState(self.rank, self.world_size, -1, sources, flat.sharded, flat.shapes, flat.values)
+        own = layout_for(template, self.rank, self.world_size)
+        actual = Layout.of([(k, tuple(v.shape), v.dtype) for k, v in sorted(sources.items())])
+        if own != actual:
+            raise ValueError("snapshot: this rank's shards are not the torch.chunk rows of its parameters")
+        self._own_layout, self._sender_layout = own, layout_for(template, self.sender, self.world_size)
+        self._sources, self._template = sources, template
+
+    def _allocate(self) -> None:
+        self._own = [self._buffer(self._own_layout.nbytes) for _ in range(GENERATIONS)]
+        self._received = [self._buffer(self._sender_layout.nbytes) for _ in range(GENERATIONS)]
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def _run(self, generation: Generation, after: torch.cuda.Event | None) -> None:
+        assert self._sources is not None
+        own = self._own[generation.slot]
+        try:
+            views = self._own_layout.views(own)
+            keys, sources = list(self._sources), list(self._sources.values())  # one call copies all
+            with torch.no_grad():
+                if after is not None:
+                    with torch.cuda.device(self.device):
+                        if self._stream is None:
+                            self._stream = torch.cuda.Stream()
+                        self._stream.wait_event(after)  # the optimizer step that made this state
+                        with torch.cuda.stream(self._stream):
+                            torch._foreach_copy_([views[k] for k in keys], sources, non_blocking=True)
+                        self._stream.synchronize()
+                else:
+                    torch._foreach_copy_([views[k] for k in keys], sources)
+            self._own_layout.stamp(own).copy_(torch.tensor([generation.step, self.rank], dtype=_STAMP))
+        finally:
+            generation.copied.set()
+        if self.world_size == 1:
+            return  # no buddy: the copy is all there is
+        received = self._received[generation.slot]
+        self._sender_layout.stamp(received).zero_()  # a stale stamp must not pass for this generation's
+        sending = dist.isend(own, self.buddy[self.rank], group=self.group)
+        receiving = dist.irecv(received, self.sender, group=self.group)
+        failure: Exception | None = None
+        try:
+            # Wait for the copy we keep even when ours could not be sent: if our buddy is the
+            # node that died, the sender's copy is still whole and needed.
+            receiving.wait()
+            stamp = self._sender_layout.stamp(received).tolist()
+            if stamp != [generation.step, self.sender]:
+                raise RuntimeError(f"snapshot from rank {self.sender}: stamp {stamp}, expected {generation.step}")
+            generation.received = True
+        except Exception as exc:
+            failure = exc
+        try:
+            sending.wait()
+        except Exception as exc:
+            failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _state(self, buffer: torch.Tensor, rank: int, step: int) -> HeldState | None:
+        assert self._template is not None
+        layout = self._own_layout if rank == self.rank else self._sender_layout
+        if layout.stamp(buffer).tolist() != [step, rank]:
+            return None
+        t = self._template
+        # Host tensors: ``redistribute`` copies them into its device buffers bucket by bucket.
+        return HeldState(rank, self.world_size, step, layout.views(buffer), t.sharded, t.shapes, t.values)
