@@ -16,16 +16,16 @@ from trainer.checkpoint import COMMIT_MARKER, latest_committed, list_steps, prun
 pytestmark = pytest.mark.slow
 
 
-def test_dcp_reshard_4_3_2_4_keeps_full_tensors_identical(tmp_path: Path, worker_env: dict[str, str]) -> None:
+def test_dcp_reshard_4_2_3_keeps_full_tensors_identical(tmp_path: Path, worker_env: dict[str, str]) -> None:
     config = write_config(tmp_path / "c.yaml", checkpoint={"dir": str(tmp_path / "ckpt")})
     dumps = []
-    for index, world in enumerate((4, 3, 2, 4)):
+    for index, world in enumerate((4, 2, 3)):  # a shrink, then a grow to an uneven split
         out = tmp_path / f"full-{index}-w{world}.pt"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
         argv += ["-m", "tests.trainer.reshard_worker", str(config), str(out)]
         check(subprocess.run(argv, env=worker_env, capture_output=True, text=True, timeout=120))
         dumps.append(torch.load(out, weights_only=False))
-    assert [d["step"] for d in dumps] == [2, 3, 4, 5]
+    assert [d["step"] for d in dumps] == [2, 3, 4]
     reference = flat_tensors({"model": dumps[0]["model"], "optim": dumps[0]["optim"]})
     assert any(".exp_avg_sq" in k for k in reference), "optimizer moments must travel with the model"
     for dump in dumps[1:]:
@@ -33,7 +33,7 @@ def test_dcp_reshard_4_3_2_4_keeps_full_tensors_identical(tmp_path: Path, worker
         assert sorted(tensors) == sorted(reference)
         for key, value in reference.items():
             assert torch.equal(tensors[key], value), f"{key} changed across a reshard"
-    assert latest_committed(tmp_path / "ckpt") == 6
+    assert latest_committed(tmp_path / "ckpt") == 5
 
 
 def test_commit_marker_and_retention(tmp_path: Path) -> None:
