@@ -139,12 +139,10 @@ def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = 
             available = int(line.split()[1]) * 1024
     try:
         limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((cgroup / "memory.current").read_text())
-            available = min(available, int(limit) - used)
-    except (OSError, ValueError):
-        pass  # no cgroup v2 limit readable: the node's figure stands
-    return available
+        used = int((cgroup / "memory.current").read_text()) if limit != "max" else 0
+        return available if limit == "max" else min(available, int(limit) - used)
+    except (OSError, ValueError):  # no cgroup v2 limit readable: the node's figure stands
+        return available
 
 
 def check_host_memory(needed_per_rank: int, ranks_on_node: int, available: int) -> None:
@@ -389,10 +387,8 @@ class Snapshots:
             if generation is None:
                 continue
             if generation.exchanged is not None:
-                try:
-                    generation.exchanged.result(timeout=wait_s)
-                except Exception:  # a peer is gone (or the wire was cut): the copy may still be whole
-                    pass
+                # A peer gone (or the wire cut) fails the exchange: the copies may still be whole.
+                wait([generation.exchanged], timeout=wait_s)
             if generation.copied.is_set():
                 held.append(self._state(self._own[generation.slot], self.rank, generation.step))
             if generation.received:
