@@ -16,7 +16,7 @@ from datetime import timedelta
 from controller.cluster import ObjectRef, PodInfo
 from controller.jobconfig import JobConfig, resolve_job_config
 from controller.settings import ControllerSettings
-from controller.signals import ReclaimNotice, member_seen_key, node_verdict, signal_key
+from controller.signals import ReclaimNotice, leaving_signal, member_seen_key, node_verdict, signal_key
 from controller.snapshot import (
     Action,
     Alerts,
@@ -26,6 +26,7 @@ from controller.snapshot import (
     JobSnapshot,
     PostEvent,
     WriteCheckpointRequest,
+    WriteExclusions,
     WriteExpected,
     WritePlan,
     WritePresence,
@@ -36,6 +37,7 @@ from controller.trace_ids import new_trace_id, traceparent
 from regroup.records import (
     CheckpointRequest,
     ControllerPresence,
+    Exclusions,
     ExpectedMembership,
     JobStatus,
     ReformPlan,
@@ -89,6 +91,7 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
 
     health = _health(s, world, config, now)
     _restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
+    _exclusions(s, config, health, now, out)
     joiners = _joiners(s, world, health, now, out)
     plan = s.plan
     if plan is not None and plan.phase != DONE:
@@ -196,6 +199,35 @@ def _joiners(s: JobSnapshot, world: frozenset[str], health: _Health, now: float,
 def _joiner_seen(s: JobSnapshot, node: str) -> float:
     member = s.members[node]
     return s.first_seen.get(member_seen_key(node, member.joined_at, member.round), member.joined_at)
+
+
+def _exclusions(s: JobSnapshot, config: JobConfig, health: _Health, now: float, out: _Out) -> None:
+    """Keep ``control/excluded`` equal to the job's nodes that are leaving: under a reclaim
+    notice or cordoned (a restart storm's cordon included). Agents read it and do not bring
+    such a node back into the job, with or without a controller; it lifts with the taint.
+    """
+    wanted: dict[str, str] = {}
+    for node in health.notices:
+        info = s.nodes.get(node)
+        why = leaving_signal(info, config.reclaim_taints) if info is not None else None
+        wanted[node] = why or f"reclaim notice ({health.notices[node].source})"
+    for node in health.storm:
+        wanted.setdefault(node, "restart storm")
+    old = s.exclusions.nodes if s.exclusions is not None else {}
+    for node, why in old.items():
+        if node in wanted:
+            continue
+        info = s.nodes.get(node)
+        if info is None:
+            if not s.nodes_synced:
+                wanted[node] = why  # not known gone yet
+            continue  # deleted: nothing left to exclude
+        if leaving_signal(info, config.reclaim_taints) is not None:
+            wanted[node] = why  # still leaving (NotReady as well, say)
+    # A node only picks up a new reason when it is newly excluded: no write per decision.
+    wanted = {n: old.get(n, why) for n, why in wanted.items()}
+    if wanted != old:
+        out.actions.append(WriteExclusions(Exclusions(nodes=dict(sorted(wanted.items())), updated_at=now)))
 
 
 def _rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: _Out) -> bool:
@@ -514,9 +546,14 @@ def _advance(
     if plan.phase == "rendezvous":
         _reform_writes(plan, out, s)
         rounds = [s.members[n].round for n in plan.nodes_after if n in s.members]
-        # Formed: the rendezvous' round record lists every expected node in a newer round,
-        # or (without that record) every expected member reports a newer round.
-        formed = s.world_round > plan.round_before and set(plan.nodes_after) <= s.world_seen and bool(s.world_agents)
+        # Formed: the rendezvous' round record shows a newer round of exactly the planned
+        # nodes, or (without that record) every planned member reports a newer round. A
+        # newer round of other nodes (one formed while no controller led, say) is not this
+        # plan's: waiting on it would wait for a state that cannot come.
+        newer = s.world_round > plan.round_before and bool(s.world_agents)
+        if newer and set(s.world_agents) != set(plan.nodes_after):
+            return _finish(s, plan, now, "superseded", out, _other_round(s, plan))
+        formed = newer and set(plan.nodes_after) <= s.world_seen
         if formed or (len(rounds) == len(plan.nodes_after) and all(r > plan.round_before for r in rounds)):
             round_after = s.world_round if formed else max(rounds)
             updated = dataclasses.replace(plan, phase="resume", round_after=round_after, rendezvous_done_at=now)
@@ -551,6 +588,8 @@ def _advance(
             return _finish(s, resumed, now, "completed", out, f"resumed from step {progress.resumed_from_step}")
         if lost_targets:
             return _finish(s, plan, now, "superseded", out, f"{', '.join(lost_targets)} lost before the trainer resumed")
+        if s.world_round > plan.round_after and s.world_agents and set(s.world_agents) != set(plan.nodes_after):
+            return _finish(s, plan, now, "superseded", out, _other_round(s, plan) + " before the trainer resumed")
         elapsed = now - plan.rendezvous_done_at
         limit = settings.reform.resume_timeout.total_seconds()
         if elapsed >= limit:
@@ -560,10 +599,21 @@ def _advance(
     return _finish(s, plan, now, "superseded", out, f"unknown phase {plan.phase!r}")
 
 
+def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:
+    formed = ", ".join(sorted(s.world_agents))
+    return f"round {s.world_round} formed with {formed}, not the planned {', '.join(plan.nodes_after)}"
+
+
 def _finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: str, out: _Out, why: str) -> str:
-    done = dataclasses.replace(plan, phase=DONE, outcome=outcome, finished_at=now)
+    """End the plan. One that did not complete is abandoned loudly (a Warning Event on each
+    of the job's pods; the trace and the metric carry ``why``) and decided afresh at once."""
+    done = dataclasses.replace(plan, phase=DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
     if outcome != "completed":
+        message = f"re-form {plan.generation} ({plan.cause}, phase {plan.phase}) abandoned, {outcome}: {why}"
+        for pod in s.pods:
+            ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)
+            out.actions.append(PostEvent(ref, "Warning", "ReformAbandoned", message))
         out.again_in(0)
     return f"re-form {plan.generation} {outcome}: {why}"
 

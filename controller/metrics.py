@@ -25,6 +25,10 @@ class ControllerMetrics:
         self.reforms = Counter(
             "regroup_reforms", "Re-forms finished.", ["namespace", "job", "cause", "planned"], registry=r
         )
+        self.abandoned = Counter(
+            "regroup_reforms_abandoned", "Re-forms given up (outcome timeout or superseded); decided afresh.",
+            ["namespace", "job", "cause", "phase", "outcome"], registry=r,
+        )
         self.world_size = Gauge("regroup_world_size", "Nodes in the job's current round.", ["namespace", "job"], registry=r)
         self.min_nodes = Gauge("regroup_job_min_nodes", "The job's min-nodes.", ["namespace", "job"], registry=r)
         self.max_nodes = Gauge("regroup_job_max_nodes", "The job's max-nodes.", ["namespace", "job"], registry=r)

@@ -25,6 +25,7 @@ from regroup.records import (
     CheckpointAck,
     CheckpointRequest,
     ControllerPresence,
+    Exclusions,
     ExpectedMembership,
     JobStatus,
     MemberRecord,
@@ -72,6 +73,7 @@ class JobState:
     progress_revision: int = 0
     presence: ControllerPresence | None = None
     status: JobStatus | None = None
+    exclusions: Exclusions | None = None
     pods_view: tuple[PodInfo, ...] | None = None
     """Cached ``tuple(pods.values())``; None after any pod change."""
     resolved: ResolvedConfig | None = None
@@ -364,6 +366,8 @@ class ClusterModel:
             state.presence = _as(ControllerPresence, value)
         elif rest == "control/status":
             state.status = _as(JobStatus, value)
+        elif rest == "control/excluded":
+            state.exclusions = _as(Exclusions, value)
         elif rest.startswith("acks/") and rest.endswith("/commit"):
             ack = _as(CheckpointAck, value)
             state.acks[ack.generation] = ack
@@ -410,6 +414,8 @@ class ClusterModel:
             state.presence = None
         elif rest == "control/status":
             state.status = None
+        elif rest == "control/excluded":
+            state.exclusions = None
         elif rest == "progress":
             state.progress, state.progress_revision = None, 0
         else:
@@ -444,6 +450,7 @@ class ClusterModel:
                 ("control/reform", "reform"),
                 ("control/controller", "presence"),
                 ("control/status", "status"),
+                ("control/excluded", "exclusions"),
                 ("progress", "progress"),
             ):
                 if job_id in self.jobs and getattr(state, attr) is not None and rest not in have:
@@ -611,6 +618,7 @@ class ClusterModel:
             progress_revision=state.progress_revision,
             presence=state.presence,
             status=state.status,
+            exclusions=state.exclusions,
             fleet=FleetView(hosting_nodes=len(self.node_pods), cordoned=frozenset(self.cordoned)),
             identity=self.identity,
             resolved=state.resolved,

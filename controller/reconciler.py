@@ -29,6 +29,7 @@ from controller.snapshot import (
     DeletePod,
     PostEvent,
     WriteCheckpointRequest,
+    WriteExclusions,
     WriteExpected,
     WritePlan,
     WritePresence,
@@ -157,6 +158,8 @@ class Reconciler:
             await self._put(job, keys, keys.controller, action.presence, leased=True)
         elif isinstance(action, WriteStatus):
             await self._put(job, keys, keys.status, action.status)
+        elif isinstance(action, WriteExclusions):
+            await self._put(job, keys, keys.excluded, action.exclusions)
         elif isinstance(action, Cordon):
             await self._cordon(action, now)
         elif isinstance(action, DeletePod):
@@ -195,6 +198,11 @@ class Reconciler:
             if plan.lost_steps > 0:
                 self.metrics.lost_steps.labels(job[0], job[1], plan.cause).inc(plan.lost_steps)
         self.metrics.reforms.labels(job[0], job[1], plan.cause, planned).inc()
+        if plan.outcome != "completed":
+            phase = "resume" if plan.rendezvous_done_at else ("rendezvous" if plan.reform_requested_at else "checkpoint")
+            self.metrics.abandoned.labels(job[0], job[1], plan.cause, phase, plan.outcome).inc()
+            log.warning("re-form abandoned", namespace=job[0], job=job[1], generation=plan.generation,
+                        phase=phase, outcome=plan.outcome, why=plan.why)
         for phase, (start, end) in phase_times(plan).items():
             self.metrics.phase_duration.labels(plan.cause, phase).observe(max(0.0, end - start))
         emit_reform_trace(self.tracer_provider, job[0], job[1], plan)

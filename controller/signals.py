@@ -146,6 +146,16 @@ def node_verdict(
     return NodeVerdict(notice=best)
 
 
+def leaving_signal(node: NodeInfo, extra_keys: Collection[str]) -> str | None:
+    """The reclaim taint (or ``spec.unschedulable``) that marks ``node`` as leaving, whether
+    or not the node is also NotReady: what keeps it out of the job (``control/excluded``)."""
+    for taint in node.taints:
+        signal = _match(taint, extra_keys)
+        if signal is not None and signal.path == "planned":
+            return f"taint {taint.key} ({signal.source})"
+    return "spec.unschedulable (cordoned)" if node.unschedulable else None
+
+
 def _earlier_end(a: ReclaimNotice, b: ReclaimNotice) -> bool:
     if a.ends_at is None:
         return False

@@ -18,6 +18,7 @@ from regroup.records import (
     CheckpointAck,
     CheckpointRequest,
     ControllerPresence,
+    Exclusions,
     ExpectedMembership,
     JobStatus,
     MemberRecord,
@@ -77,6 +78,8 @@ class JobSnapshot:
     progress_revision: int = 0
     presence: ControllerPresence | None = None
     status: JobStatus | None = None
+    exclusions: Exclusions | None = None
+    """``control/excluded``: the nodes agents must not bring back into the job."""
     fleet: FleetView = field(default_factory=FleetView)
     identity: str = "regroup-controller"
     """This controller's identity (for its presence record)."""
@@ -128,6 +131,11 @@ class WritePresence:
 @dataclass(frozen=True)
 class WriteStatus:
     status: JobStatus
+
+
+@dataclass(frozen=True)
+class WriteExclusions:
+    exclusions: Exclusions
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from controller.tracing import phase_times, reform_end
 from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
 from regroup.keys import JobKeys
-from regroup.records import JobStatus, MemberRecord, Progress, RecordError, ReformPlan
+from regroup.records import Exclusions, JobStatus, MemberRecord, Progress, RecordError, ReformPlan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,11 +46,13 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
                                       "resumed_from_step": p.resumed_from_step}
             elif rest == "control/status":
                 report["status"] = asdict(JobStatus.from_json(kv.value))
+            elif rest == "control/excluded":
+                report["excluded"] = dict(Exclusions.from_json(kv.value).nodes)
             elif rest == "control/plan":
                 plan = ReformPlan.from_json(kv.value)
                 report["last_reform"] = {
                     "generation": plan.generation, "cause": plan.cause, "planned": plan.planned, "phase": plan.phase,
-                    "outcome": plan.outcome, "reason": plan.reason, "fallback": plan.fallback,
+                    "outcome": plan.outcome, "reason": plan.reason, "fallback": plan.fallback, "why": plan.why,
                     "world_size_before": len(plan.nodes_before), "world_size_after": len(plan.nodes_after),
                     "lost_steps": plan.lost_steps, "trace_id": plan.trace_id,
                     "duration_s": round(reform_end(plan) - plan.detected_at, 3) if plan.phase == "done" else None,
@@ -95,6 +97,10 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"    {phase:<11} {seconds:8.3f}s")
         if last["fallback"]:
             lines.append(f"    fell back to unplanned: {last['fallback']}")
+        if last["outcome"] not in ("", "completed"):
+            lines.append(f"    abandoned: {last['why']}")
+    for node, why in sorted(report.get("excluded", {}).items()):
+        lines.append(f"  excluded: {node} ({why}): its agent waits instead of joining")
     return "\n".join(lines)
 
 

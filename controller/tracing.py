@@ -103,6 +103,8 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
     }
     if plan.fallback:
         attributes["regroup.fallback"] = plan.fallback
+    if plan.why:
+        attributes["regroup.why"] = plan.why
     if plan.mode:
         attributes["regroup.reform.mode"] = plan.mode
     root = tracer.start_span("regroup.reform", context=trace.set_span_in_context(trace.INVALID_SPAN),
@@ -120,7 +122,7 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
             _resume_children(tracer, ids, plan, child, job)
         child.end(end_time=_ns(max(start, end)))
     if plan.outcome != "completed":
-        root.set_status(Status(StatusCode.ERROR, plan.outcome))
+        root.set_status(Status(StatusCode.ERROR, f"{plan.outcome}: {plan.why}" if plan.why else plan.outcome))
     root.end(end_time=_ns(max(plan.detected_at, reform_end(plan))))
 
 

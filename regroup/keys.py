@@ -15,6 +15,8 @@ This is the one place the layout is written down. All keys of a job live under
                               job's generation counter
     control/status            JobStatus: the controller's verdict on the job, for
                               ``regroup status``
+    control/excluded          Exclusions: nodes under a reclaim notice or cordoned, which
+                              no agent may bring back into the job until that lifts
     acks/<generation>/commit  CheckpointAck, written by trainer rank 0 once committed
     progress                  Progress, written by trainer rank 0
 
@@ -87,6 +89,10 @@ class JobKeys:
     @property
     def status(self) -> str:
         return self.control + "status"
+
+    @property
+    def excluded(self) -> str:
+        return self.control + "excluded"
 
     # acks/
     @property

@@ -235,10 +235,29 @@ class ReformPlan(Record):
     outcome: str = ""
     """completed, timeout or superseded once ``phase`` is done."""
     finished_at: float = 0.0
+    why: str = ""
+    """Why the plan ended as it did: for ``timeout`` and ``superseded``, the reason it was
+    abandoned (shown in the Warning Event, the trace's status and ``regroup status``)."""
     mode: str = ""
     """``progress.reform_mode`` of the world the trainer resumed in ("" unknown)."""
     resume_phases: dict[str, float] = field(default_factory=dict)
     """``progress.resume_phases`` of that world: where the resume phase's time went."""
+
+
+@dataclass(frozen=True)
+class Exclusions(Record):
+    """``control/excluded``: nodes no agent may bring (back) into the job.
+
+    The controller writes a node here while it carries a reclaim notice or a cordon (a
+    restart storm's included) and removes it when that lifts. The record outlives the
+    controller's leadership: an agent restarted on such a node reads it and waits instead
+    of joining, whether or not a controller is present at that moment.
+    """
+
+    kind: ClassVar[str] = "excluded"
+    nodes: dict[str, str] = field(default_factory=dict)
+    """node -> why (the taint or cordon that excludes it)."""
+    updated_at: float = 0.0
 
 
 @dataclass(frozen=True)

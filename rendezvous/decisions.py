@@ -33,6 +33,8 @@ class JobView:
     reform: ReformRequest | None = None
     controller: bool = False
     """A controller is present (``control/controller`` exists)."""
+    excluded: Mapping[str, str] = field(default_factory=dict)
+    """``control/excluded``: node -> why it may not join the job (reclaim notice, cordon)."""
 
     @cached_property
     def _alive(self) -> dict[str, str]:
@@ -113,6 +115,8 @@ class Wait:
 
     reason: str
     until: float | None = None
+    excluded: bool = False
+    """This agent's node is in ``control/excluded``: it waits for that to lift, not for peers."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,11 @@ def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds:
             if rank is not None and current == joined_for:
                 return Done(current, rank, len(state.agents))
             joined_for = None  # a round formed without this agent: ask for the next one
+    why = view.excluded.get(me.node)
+    if why is not None:
+        # Checked before joining: a node that is leaving must not be let back in, whoever
+        # (if anyone) leads; its join record, if it wrote one before, no longer counts.
+        return Wait(f"node {me.node} is excluded from the job: {why}", excluded=True)
     mine = view.joins.get(me.node)
     if joined_for is None or mine is None or mine.agent != me.agent or mine.round != current + 1:
         return PutJoin(current + 1, "join" if joined_for is None else "refresh join record")
@@ -202,8 +211,10 @@ def benched(view: JobView, now: float) -> frozenset[str]:
 def _joiners(view: JobView, target: int) -> list[JoinRecord]:
     """Live agents asking for round ``target``: previous members first (they keep their
     relative rank, so rank 0 stays put), then newcomers by join time."""
-    alive = view.alive()
-    joins = [j for j in view.joins.values() if j.round == target and alive.get(j.agent) == j.node]
+    alive, excluded = view.alive(), view.excluded
+    joins = [
+        j for j in view.joins.values() if j.round == target and alive.get(j.agent) == j.node and j.node not in excluded
+    ]
     previous = {a: i for i, a in enumerate(view.state.agents)} if view.state else {}
     return sorted(joins, key=lambda j: (previous.get(j.agent, len(previous)), j.joined_at, j.node))
 
@@ -350,7 +361,7 @@ def count_waiting(view: JobView, my_round: int, max_nodes: int, now: float = 0.0
             j.node
             for j in view.joins.values()
             if j.round == my_round + 1 and j.agent not in current and alive.get(j.agent) == j.node
-            and j.not_before <= now
+            and j.not_before <= now and j.node not in view.excluded
         ]
         if waiting:
             return len(waiting), f"node(s) waiting to join: {_names(sorted(waiting))}"

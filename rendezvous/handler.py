@@ -127,6 +127,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._failures = tempfile.mkdtemp(prefix=f"regroup-failures-{settings.identity.node}-")
         os.environ[FAILURE_DIR_ENV] = self._failures
         self._last_reason = ""
+        self._waiting = ""
         self._shut = False
         self._traceparent = ""
         self._probation: timedelta | None = None
@@ -172,6 +173,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def traceparent(self) -> str:
         """The ``traceparent`` of the controller request the last round answered ("" if none)."""
         return self._traceparent
+
+    @property
+    def waiting_for(self) -> str:
+        """What this agent's rendezvous waits on right now, e.g. that its node is excluded
+        ("" while it is not waiting)."""
+        return self._waiting
 
     def left_out(self) -> bool:
         """The controller's next expected membership leaves this node out (it is leaving)."""
@@ -353,6 +360,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         deadline = loop.time() + self._settings.timeouts.join.total_seconds()
         watch = self._shared.connection.watch
         joined_for: int | None = None
+        excluded_since: float | None = None
         backoff = 0.05
         while True:
             try:
@@ -383,6 +391,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     await watch.caught_up(revision, 2.0)
                 elif isinstance(step, Wait):
                     remaining = deadline - loop.time()
+                    if step.excluded:
+                        excluded_since = loop.time() if excluded_since is None else excluded_since
+                        limit = self._settings.timeouts.excluded.total_seconds()
+                        if loop.time() - excluded_since >= limit:
+                            raise RendezvousError(
+                                f"rendezvous {self._settings.job.job}: {step.reason}; still excluded after "
+                                f"excluded_timeout {limit:.0f}s, exiting so the pod's restart policy applies"
+                            )
+                        remaining = min(remaining, excluded_since + limit - loop.time())
+                    else:
+                        excluded_since = None
                     if remaining <= 0:
                         raise RendezvousTimeoutError(
                             f"rendezvous {self._settings.job.job}: no round formed within join_timeout "
@@ -419,6 +438,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _note(self, step: Any) -> None:
         reason = getattr(step, "reason", "")
+        self._waiting = reason if isinstance(step, Wait) else ""
         if isinstance(step, Wait) and reason != self._last_reason:
             log.info("rendezvous waiting", job=self._settings.job.job, node=self.node, reason=reason)
         self._last_reason = reason

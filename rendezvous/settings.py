@@ -1,7 +1,8 @@
 """The knobs of the etcd-v3 rendezvous, parsed once from torchrun's parameters.
 
 ``--rdzv-conf`` keys (all optional): ``cacert``, ``cert``, ``key``, ``user``, ``password``,
-``lease_ttl``, ``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``key_prefix``.
+``lease_ttl``, ``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``excluded_timeout``,
+``key_prefix``.
 torchrun itself adds ``timeout`` (``--rdzv-timeout``, used when ``join_timeout`` is not
 given); any other key is refused with an error naming it, so a typo does not pass silently.
 """
@@ -29,6 +30,7 @@ CONF_KEYS = (
     "join_timeout",
     "last_call_timeout",
     "close_timeout",
+    "excluded_timeout",
     "key_prefix",
 )
 # Keys torchrun adds on its own: ``timeout`` always, ``rank`` for --node-rank.
@@ -79,9 +81,12 @@ class Timeouts:
     it closes as soon as every live member has rejoined."""
     close: timedelta = timedelta(seconds=10)
     """Longest ``set_closed``/``shutdown`` wait for etcd to record the change."""
+    excluded: timedelta = timedelta(seconds=300)
+    """How long an agent whose node is in ``control/excluded`` (reclaim notice, cordon)
+    waits for that to lift before it exits non-zero, so its workload's policy applies."""
 
     def __post_init__(self) -> None:
-        for name in ("join", "last_call", "close"):
+        for name in ("join", "last_call", "close", "excluded"):
             value = getattr(self, name)
             if value < timedelta(0):
                 raise SettingsError(f"{name}_timeout must not be negative, got {value.total_seconds()}s")
@@ -182,6 +187,7 @@ def parse_settings(
         join=_first(_seconds(conf, "join_timeout"), _seconds(conf, "timeout"), Timeouts.join),
         last_call=_first(_seconds(conf, "last_call_timeout"), Timeouts.last_call),
         close=_first(_seconds(conf, "close_timeout"), Timeouts.close),
+        excluded=_first(_seconds(conf, "excluded_timeout"), Timeouts.excluded),
     )
     return RendezvousSettings(
         etcd=etcd,

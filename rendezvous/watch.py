@@ -15,7 +15,7 @@ import structlog
 
 from regroup import etcd
 from regroup.keys import JobKeys
-from regroup.records import ControllerPresence, ExpectedMembership, MemberRecord, RecordError, ReformRequest
+from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, RecordError, ReformRequest
 from rendezvous.decisions import JobView
 from rendezvous.records import JoinRecord, RoundState
 
@@ -40,6 +40,7 @@ class JobWatch:
         self._expected: ExpectedMembership | None = None
         self._reform: ReformRequest | None = None
         self._controller = False
+        self._excluded: dict[str, str] = {}
         self._store_kv: dict[str, bytes] = {}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -94,6 +95,7 @@ class JobWatch:
         self._state, self._members, self._joins, self._store_kv = (None, 0), {}, {}, {}
         self._expected = self._reform = None
         self._controller = False
+        self._excluded = {}
         for kv in response:
             self._put(kv.key.decode(), kv.value, kv.mod_revision)
         self._revision = max(self._revision, response.header.revision)
@@ -178,6 +180,8 @@ class JobWatch:
             elif key == k.controller:
                 ControllerPresence.from_json(value)
                 self._controller = True
+            elif key == k.excluded:
+                self._excluded = dict(Exclusions.from_json(value).nodes)
         except RecordError as exc:
             log.warning("ignoring unreadable record", key=key, error=str(exc))
 
@@ -195,6 +199,8 @@ class JobWatch:
             self._reform = None
         elif key == k.controller:
             self._controller = False
+        elif key == k.excluded:
+            self._excluded = {}
 
     def _publish(self) -> None:
         self._publish_pending = False
@@ -215,6 +221,7 @@ class JobWatch:
             expected=self._expected,
             reform=self._reform,
             controller=self._controller,
+            excluded=self._excluded,
         )
 
     def _notify(self) -> None:

@@ -87,6 +87,7 @@ def applied(s: JobSnapshot, actions: Iterable[Action]) -> JobSnapshot:
     """The snapshot after the controller's etcd writes landed (what the watch would show)."""
     from controller.snapshot import (
         WriteCheckpointRequest,
+        WriteExclusions,
         WriteExpected,
         WritePlan,
         WritePresence,
@@ -106,6 +107,8 @@ def applied(s: JobSnapshot, actions: Iterable[Action]) -> JobSnapshot:
             s = dataclasses.replace(s, reform=a.request)
         elif isinstance(a, WriteStatus):
             s = dataclasses.replace(s, status=a.status)
+        elif isinstance(a, WriteExclusions):
+            s = dataclasses.replace(s, exclusions=a.exclusions)
         elif isinstance(a, WritePresence):
             s = dataclasses.replace(s, presence=ControllerPresence(identity=a.presence.identity, since=a.presence.since))
     return s

@@ -195,3 +195,20 @@ def test_a_round_whose_agent_vanished_or_that_was_superseded_is_abandoned() -> N
         "a": member("a"), "b": member("b"), "c": member("c", registered=99.0)})
     assert "gone: c" in round_abandoned(restarted, 4)
     assert "superseded by round 5" in round_abandoned(view(["a", "b"], state=formed(["a", "b"], round=5)), 4)
+
+
+def test_an_excluded_node_waits_outside_and_its_join_does_not_count_with_or_without_a_controller() -> None:
+    excluded = {"c": "taint aws-node-termination-handler/spot-itn (AWS node-termination-handler)"}
+    state = formed(["a", "b"])
+    # Its agent came back (the pod restarted on the still-tainted node): it writes no join.
+    step = plan_join(view(["a", "b", "c"], state=state, excluded=excluded), me("c"), None, 0, BOUNDS)
+    assert isinstance(step, Wait) and step.excluded and "spot-itn" in step.reason and step.until is None
+    # A join it wrote before the exclusion arrived neither prompts a re-form (no controller
+    # present) nor takes a place in the next round.
+    v = view(["a", "b", "c"], [join("c", 2)], state=state, excluded=excluded)
+    assert count_waiting(v, 1, 4) == (0, "")
+    rejoin = view(["a", "b", "c"], [join("a", 2), join("b", 2), join("c", 2)], state=state, excluded=excluded)
+    closed = plan_close(rejoin, now=20.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == ["a", "b"]
+    # Lifted: the node joins again like any other.
+    assert plan_join(view(["a", "b", "c"], state=state), me("c"), None, 0, BOUNDS) == PutJoin(2, "join")

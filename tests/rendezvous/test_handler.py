@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from regroup.etcd import EtcdSettings, connect, enable_auth
 from regroup.etcd_server import EtcdServer, free_port, make_tls_files
 from regroup.keys import JobKeys
-from regroup.records import ControllerPresence, ExpectedMembership, MemberRecord, ReformRequest
+from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
 from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound
 from rendezvous.settings import parse_settings
 from tests.rendezvous.agents import wait_until
@@ -160,6 +160,29 @@ def test_with_a_controller_present_joiners_wait_for_it(agents: Agents, etcd: Etc
     wait_until(lambda: a.num_nodes_waiting() and b.num_nodes_waiting(), 10, "the re-form request")
     infos = [f.result(20) for f in [joiner, *agents.join(a, b)]]
     assert {i.world_size for i in infos} == {3}
+
+
+def test_an_agent_on_an_excluded_node_waits_joins_once_lifted_and_exits_non_zero_if_never(
+    agents: Agents, etcd: EtcdServer
+) -> None:
+    why = "taint aws-node-termination-handler/spot-itn (AWS node-termination-handler)"
+    put(etcd.endpoint, KEYS.excluded, Exclusions(nodes={"n1": why}).to_json())
+    a, b = agents.make("n0", (1, 2)), agents.make("n1", (1, 2), excluded_timeout="60")
+    [first] = agents.join(a)
+    waiting = agents.join(b)[0]
+    assert first.result(20).world_size == 1, "the excluded node does not hold the round up"
+    wait_until(lambda: "excluded from the job" in b.waiting_for, 10, "n1 to wait as excluded")
+    assert why in b.waiting_for and not waiting.done() and a.num_nodes_waiting() == 0
+    # The taint lifted: the controller empties the record, and n1 joins the next round.
+    put(etcd.endpoint, KEYS.excluded, Exclusions(nodes={}).to_json())
+    wait_until(lambda: a.num_nodes_waiting(), 10, "n0 to see n1 waiting to join")
+    infos = [f.result(20) for f in [waiting, *agents.join(a)]]
+    assert {i.world_size for i in infos} == {2}
+    # Never lifted: the agent gives up after excluded_timeout with an error naming why.
+    put(etcd.endpoint, KEYS.excluded, Exclusions(nodes={"n2": "spec.unschedulable (cordoned)"}).to_json())
+    c = agents.make("n2", (1, 2), excluded_timeout="0.5")
+    with pytest.raises(RendezvousError, match=r"n2 is excluded from the job: spec.unschedulable .* excluded_timeout"):
+        c.next_rendezvous()
 
 
 def test_a_lost_member_is_seen_and_its_agent_re_registers(agents: Agents, etcd: EtcdServer) -> None:

@@ -1,0 +1,118 @@
+"""Re-forms that cannot finish end, loudly, and a leaving node stays out: pure decisions.
+
+The failures these pin came from a leader change in the middle of a planned shrink: the
+reclaimed node's pod was restarted on its still-tainted node and the agents, with no
+leader present, let it back in; the new leader then read that round as its own and waited
+for a trainer size that could never come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from controller.cluster import NodeInfo
+from controller.decide import decide
+from controller.settings import ControllerSettings
+from controller.snapshot import PostEvent, WriteCheckpointRequest, WriteExclusions, WritePlan
+
+from .builders import T0, acked, applied, job, member, of, with_taint
+
+S = ControllerSettings()
+SPOT = "aws-node-termination-handler/spot-itn"
+
+
+def step(s, now):
+    d = decide(s, now, S)
+    return applied(s, d.actions), d
+
+
+def _shrink_in_rendezvous():
+    """n2 of n1..n3 under a spot notice; checkpoint acked; re-forming to n1, n3."""
+    s = with_taint(job(), "n2", SPOT, time_added=T0)
+    s, _ = step(s, T0 + 1)
+    s, _ = step(acked(s, s.plan.generation, 120), T0 + 2)
+    assert s.plan.phase == "rendezvous" and s.plan.nodes_after == ["n1", "n3"]
+    return s
+
+
+def _round(s, number: int, nodes: list[str]):
+    return dataclasses.replace(
+        s, world_round=number, world_seen=frozenset(nodes), world_agents={n: 0.0 for n in nodes},
+        members={n: member(n, number) for n in nodes},
+    )
+
+
+def test_a_round_of_other_nodes_than_planned_abandons_the_plan_and_decides_again() -> None:
+    s = _shrink_in_rendezvous()
+    generation = s.plan.generation
+    # The reclaimed node came back before the planned round: round 2 has all three.
+    s, d = step(_round(s, 2, ["n1", "n2", "n3"]), T0 + 3)
+    assert s.plan.phase == "done" and s.plan.outcome == "superseded"
+    assert s.plan.why == "round 2 formed with n1, n2, n3, not the planned n1, n3"
+    events = [e for e in of(d.actions, PostEvent) if e.reason == "ReformAbandoned"]
+    assert sorted(e.ref.name for e in events) == ["llama-n1", "llama-n2", "llama-n3"]
+    assert all(e.type_ == "Warning" and "phase rendezvous" in e.message for e in events)
+    assert d.requeue_after == timedelta(0)
+    # Decided afresh at once: n2 still carries its notice, so a new planned shrink starts.
+    s, d = step(s, T0 + 3)
+    [plan] = of(d.actions, WritePlan)
+    assert plan.plan.generation == generation + 1 and plan.plan.phase == "checkpoint"
+    assert plan.plan.nodes_after == ["n1", "n3"] and of(d.actions, WriteCheckpointRequest)
+
+
+def test_the_planned_round_completes_the_rendezvous_phase_as_before() -> None:
+    s = _shrink_in_rendezvous()
+    s, d = step(_round(s, 2, ["n1", "n3"]), T0 + 3)
+    assert s.plan.phase == "resume" and s.plan.round_after == 2
+    assert not [e for e in of(d.actions, PostEvent) if e.reason == "ReformAbandoned"]
+
+
+def test_a_newer_round_of_other_nodes_before_the_trainer_resumed_abandons_the_plan() -> None:
+    s = _shrink_in_rendezvous()
+    s, _ = step(_round(s, 2, ["n1", "n3"]), T0 + 3)
+    # A round of the same nodes again (a rank restart) keeps waiting for the trainer ...
+    s, d = step(_round(s, 3, ["n1", "n3"]), T0 + 4)
+    assert s.plan.phase == "resume" and d.requeue_after is not None
+    # ... one with other nodes cannot give the planned size: abandoned, not waited on.
+    s, _ = step(_round(s, 4, ["n1", "n2", "n3"]), T0 + 5)
+    assert s.plan.outcome == "superseded" and "before the trainer resumed" in s.plan.why
+
+
+def test_every_phase_ends_by_its_deadline() -> None:
+    s = with_taint(job(), "n2", SPOT, time_added=T0)
+    s, _ = step(s, T0 + 1)
+    deadline = s.plan.checkpoint_deadline
+    s, d = step(s, deadline)  # no ack: unplanned fallback, never a wait past the deadline
+    assert s.plan.phase == "rendezvous" and s.plan.fallback
+    s, d = step(s, T0 + 1 + deadline - T0 + S.reform.rendezvous_timeout.total_seconds())
+    assert s.plan.outcome == "timeout" and s.plan.why == "expected members did not all join the new round"
+    assert [e.reason for e in of(d.actions, PostEvent)].count("ReformAbandoned") == 3
+
+
+def test_a_leaving_node_is_excluded_until_its_taint_lifts() -> None:
+    s = with_taint(job(), "n2", SPOT, time_added=T0)
+    s, d = step(s, T0 + 1)
+    [write] = of(d.actions, WriteExclusions)
+    assert write.exclusions.nodes == {"n2": f"taint {SPOT} (AWS node-termination-handler)"}
+    # Nothing new to write while it holds, even after n2 left the round and its member is gone,
+    # or its node went NotReady with the taint still on.
+    gone = _round(s, 2, ["n1", "n3"])
+    assert not of(decide(gone, T0 + 5, S).actions, WriteExclusions)
+    not_ready = dataclasses.replace(gone, nodes={**gone.nodes, "n2": dataclasses.replace(gone.nodes["n2"], ready=False)})
+    assert not of(decide(not_ready, T0 + 6, S).actions, WriteExclusions)
+    # The taint lifts: so does the exclusion.
+    clean = dataclasses.replace(gone, nodes={**gone.nodes, "n2": NodeInfo("n2")})
+    [lifted] = of(decide(clean, T0 + 7, S).actions, WriteExclusions)
+    assert lifted.exclusions.nodes == {}
+    # A deleted node has nothing left to exclude.
+    deleted = dataclasses.replace(gone, nodes={k: v for k, v in gone.nodes.items() if k != "n2"})
+    assert of(decide(deleted, T0 + 7, S).actions, WriteExclusions)[0].exclusions.nodes == {}
+
+
+def test_a_restart_storm_node_is_excluded_with_its_cordon() -> None:
+    storm = (T0 - 30, T0 - 20, T0 - 10)
+    s = job(restarts={"n3": storm})
+    d = decide(s, T0, S)
+    [write] = of(d.actions, WriteExclusions)
+    assert write.exclusions.nodes == {"n3": "restart storm"}
