@@ -44,6 +44,19 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class PodDisruption:
+    """The pod's ``DisruptionTarget`` condition with status True: Kubernetes is about to
+    evict, preempt or delete the pod (see ``controller.disruption``)."""
+
+    reason: str
+    """The condition's reason (``PreemptionByScheduler``, ``EvictionByEvictionAPI``, ...)."""
+    since: float | None
+    """Unix time of the condition's ``lastTransitionTime``, when the API gives one."""
+    grace_seconds: float
+    """The pod's ``spec.terminationGracePeriodSeconds`` (30 when unset): the notice."""
+
+
+@dataclass(frozen=True)
 class PodInfo:
     """A worker pod of a regroup job (it carries the ``regroup.dev/job`` label)."""
 
@@ -62,6 +75,8 @@ class PodInfo:
     created_at: float = 0.0
     """Unix time of ``metadata.creationTimestamp``."""
     labels: Mapping[str, str] = field(default_factory=dict)
+    disruption: PodDisruption | None = None
+    """Set while the pod carries ``DisruptionTarget=True``."""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from controller.cluster import ObjectRef, PodInfo
+from controller.disruption import PodNotice, pod_notices
+from controller.exclusions import LeavingNodes, exclusions_update
 from controller.jobconfig import JobConfig, resolve_job_config
+from controller.reform_summary import resize_message
 from controller.settings import ControllerSettings
-from controller.signals import ReclaimNotice, leaving_signal, member_seen_key, node_verdict, signal_key
+from controller.signals import ReclaimNotice, ends_earlier, member_seen_key, node_verdict, signal_key
 from controller.snapshot import (
     Action,
     Alerts,
@@ -26,7 +29,6 @@ from controller.snapshot import (
     JobSnapshot,
     PostEvent,
     WriteCheckpointRequest,
-    WriteExclusions,
     WriteExpected,
     WritePlan,
     WritePresence,
@@ -37,7 +39,6 @@ from controller.trace_ids import new_trace_id, traceparent
 from regroup.records import (
     CheckpointRequest,
     ControllerPresence,
-    Exclusions,
     ExpectedMembership,
     JobStatus,
     ReformPlan,
@@ -58,6 +59,9 @@ class _Health:
     notices: dict[str, ReclaimNotice] = field(default_factory=dict)
     seen: dict[str, float] = field(default_factory=dict)
     """node -> when the controller first saw its notice (the detect phase starts there)."""
+    pods: dict[str, PodNotice] = field(default_factory=dict)
+    """node -> the disruption notice of the job's pod there (``DisruptionTarget``), even
+    when the pod is already terminating (it keeps the node excluded)."""
 
 
 @dataclass
@@ -89,7 +93,16 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
         _status(s, out, "bad-config" if bad else "waiting", reason, world, None, now)
         return _decision(out, reason, len(world), None, Alerts(bad_config=bad, flapping=flapping, rendezvous_on_gpu=gpu_alert))
 
-    health = _health(s, world, config, now)
+    if s.finished:
+        # The agents closed the rendezvous: training is over. Nothing to re-form, ever.
+        if s.plan is not None and s.plan.phase != DONE:
+            _finish(s, s.plan, now, "superseded", out, "the job finished (its rendezvous is closed)")
+        reason = "finished: the job's rendezvous is closed"
+        _status(s, out, "finished", reason, world, config, now)
+        return _decision(out, reason, len(world), config, Alerts(flapping=flapping, rendezvous_on_gpu=gpu_alert))
+
+    disrupted = s.disrupted.values() if s.disrupted is not None else [p for p in s.pods if p.disruption is not None]
+    health = _health(s, world, config, now, pod_notices(disrupted, resolved.workers_by_node, s.first_seen, now))
     _restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
     _exclusions(s, config, health, now, out)
     joiners = _joiners(s, world, health, now, out)
@@ -123,13 +136,18 @@ def _pod_by_name(s: JobSnapshot) -> Mapping[str, PodInfo]:
     return s.pods_by_name if s.pods_by_name is not None else {p.name: p for p in s.pods}
 
 
-def _health(s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float) -> _Health:
-    health = _Health()
+def _health(
+    s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float, disruptions: dict[str, PodNotice]
+) -> _Health:
+    health = _Health(pods=disruptions)
     pods = _pod_by_name(s)
     members, nodes, world_round = s.members, s.nodes, s.world_round
     if s.suspects is not None:
         # Suspects are few: filter them rather than building the round's whole node set.
         candidates: Iterable[str] = [n for n in s.suspects if n in world or n in members]
+        if disruptions:
+            extra = [n for n in disruptions if n not in s.suspects and (n in world or n in members)]
+            candidates = [*candidates, *extra]
     else:
         candidates = world | members.keys()
     cached = s.verdicts if not config.reclaim_taints else None
@@ -148,6 +166,7 @@ def _health(s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float
                 and info.ready is True
                 and not info.taints
                 and not info.unschedulable
+                and node not in disruptions
             ):
                 continue
         if member is None:
@@ -164,21 +183,37 @@ def _health(s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float
             elif pod is not None and pod.phase in ("Failed", "Succeeded"):
                 lost = f"pod {member.pod} {pod.phase}"
         if lost is None:
-            info = s.nodes.get(node)
-            if info is not None or s.nodes_synced:
-                verdict = cached.get(node) if cached is not None else None
-                if verdict is None:
-                    verdict = node_verdict(info, node, config.reclaim_taints, s.first_seen, now)
-                if verdict.lost is not None:
-                    lost, since = verdict.lost, verdict.lost_since or now
-                elif verdict.notice is not None:
-                    health.notices[node] = verdict.notice
-                    key = "unschedulable" if verdict.notice.signal == "spec.unschedulable" else "taint:" + verdict.notice.signal
-                    health.seen[node] = min(now, s.first_seen.get(signal_key(node, key), now))
+            lost, since = _node_notice(s, node, config, cached, health, now)
         if lost is not None:
             health.lost[node] = lost
             health.lost_since[node] = min(since, now)
     return health
+
+
+def _node_notice(
+    s: JobSnapshot, node: str, config: JobConfig, cached: Mapping | None, health: _Health, now: float
+) -> tuple[str | None, float]:
+    """The node's own verdict (lost, or a reclaim notice), and its pod's disruption notice:
+    a loss wins, else the notice that ends first. Returns (why lost, since)."""
+    notice, seen = None, now
+    info = s.nodes.get(node)
+    if info is not None or s.nodes_synced:
+        verdict = cached.get(node) if cached is not None else None
+        if verdict is None:
+            verdict = node_verdict(info, node, config.reclaim_taints, s.first_seen, now)
+        if verdict.lost is not None:
+            return verdict.lost, verdict.lost_since or now
+        if verdict.notice is not None:
+            notice = verdict.notice
+            key = "unschedulable" if notice.signal == "spec.unschedulable" else "taint:" + notice.signal
+            seen = min(now, s.first_seen.get(signal_key(node, key), now))
+    pod = health.pods.get(node)
+    if pod is not None and not pod.terminating and (notice is None or ends_earlier(pod.notice, notice)):
+        notice, seen = pod.notice, pod.seen
+    if notice is not None:
+        health.notices[node] = notice
+        health.seen[node] = seen
+    return None, now
 
 
 def _joiners(s: JobSnapshot, world: frozenset[str], health: _Health, now: float, out: _Out) -> list[str]:
@@ -202,32 +237,11 @@ def _joiner_seen(s: JobSnapshot, node: str) -> float:
 
 
 def _exclusions(s: JobSnapshot, config: JobConfig, health: _Health, now: float, out: _Out) -> None:
-    """Keep ``control/excluded`` equal to the job's nodes that are leaving: under a reclaim
-    notice or cordoned (a restart storm's cordon included). Agents read it and do not bring
-    such a node back into the job, with or without a controller; it lifts with the taint.
-    """
-    wanted: dict[str, str] = {}
-    for node in health.notices:
-        info = s.nodes.get(node)
-        why = leaving_signal(info, config.reclaim_taints) if info is not None else None
-        wanted[node] = why or f"reclaim notice ({health.notices[node].source})"
-    for node in health.storm:
-        wanted.setdefault(node, "restart storm")
-    old = s.exclusions.nodes if s.exclusions is not None else {}
-    for node, why in old.items():
-        if node in wanted:
-            continue
-        info = s.nodes.get(node)
-        if info is None:
-            if not s.nodes_synced:
-                wanted[node] = why  # not known gone yet
-            continue  # deleted: nothing left to exclude
-        if leaving_signal(info, config.reclaim_taints) is not None:
-            wanted[node] = why  # still leaving (NotReady as well, say)
-    # A node only picks up a new reason when it is newly excluded: no write per decision.
-    wanted = {n: old.get(n, why) for n, why in wanted.items()}
-    if wanted != old:
-        out.actions.append(WriteExclusions(Exclusions(nodes=dict(sorted(wanted.items())), updated_at=now)))
+    """Keep ``control/excluded`` equal to the job's leaving nodes (``controller.exclusions``)."""
+    leaving = LeavingNodes(health.notices, health.storm, health.pods)
+    write = exclusions_update(s, config.reclaim_taints, leaving, now)
+    if write is not None:
+        out.actions.append(write)
 
 
 def _rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: _Out) -> bool:
@@ -605,11 +619,16 @@ def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:
 
 
 def _finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: str, out: _Out, why: str) -> str:
-    """End the plan. One that did not complete is abandoned loudly (a Warning Event on each
-    of the job's pods; the trace and the metric carry ``why``) and decided afresh at once."""
+    """End the plan. A completed one is told on each of the job's pods (a Normal Event
+    ``Resized``); one that did not complete is abandoned loudly (a Warning Event on each of
+    the job's pods; the trace and the metric carry ``why``) and decided afresh at once."""
     done = dataclasses.replace(plan, phase=DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
-    if outcome != "completed":
+    if outcome == "completed":
+        message = resize_message(done)
+        for pod in s.pods:
+            out.actions.append(PostEvent(ObjectRef("Pod", pod.name, pod.namespace, pod.uid), "Normal", "Resized", message))
+    else:
         message = f"re-form {plan.generation} ({plan.cause}, phase {plan.phase}) abandoned, {outcome}: {why}"
         for pod in s.pods:
             ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)

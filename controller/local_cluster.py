@@ -12,7 +12,10 @@ Kubernetes cluster gives the controller:
 - an agent that exits with an error is restarted in place (the pod's restart count
   goes up), as a kubelet would; one that exits cleanly (left out of a round) has its
   pod replaced by a fresh one; ``delete_pod`` stops it for good on a cordoned node
-  and starts a fresh pod on a schedulable one, as a workload controller would.
+  and starts a fresh pod on a schedulable one, as a workload controller would;
+- a watch that breaks (the API server's ``410 Gone``) is ``drop_watches``: the
+  subscribers get no changes until ``relist`` sends each a full list, so whatever
+  happened in the gap reaches them only through that list.
 
 Only processes this adapter started, and their descendants, are ever signalled.
 """
@@ -163,6 +166,8 @@ class _Pod:
 
 
 _Change = tuple[str, object]
+_RESYNC = "resync"
+"""A queued change that makes the subscriber's loop send its sink a full list."""
 
 
 class LocalCluster:
@@ -189,6 +194,8 @@ class LocalCluster:
         self._nodes: dict[str, _Node] = {}
         self._pods: dict[str, _Pod] = {}
         self._subscribers: set[asyncio.Queue[_Change]] = set()
+        self._dropped: set[asyncio.Queue[_Change]] = set()
+        """Subscribers whose watch is broken: they get nothing until ``relist``."""
         self._tasks: set[asyncio.Task[None]] = set()
         self.events: list[ClusterEvent] = []
 
@@ -229,12 +236,41 @@ class LocalCluster:
                     sink.pod_changed(payload)  # type: ignore[arg-type]
                 elif kind == "pod-deleted":
                     sink.pod_deleted(self.namespace, payload)  # type: ignore[arg-type]
+                elif kind == _RESYNC:
+                    sink.resynced(self.nodes(), self.pods())
         finally:
             self._subscribers.discard(queue)
+            self._dropped.discard(queue)
 
     def _publish(self, kind: str, payload: object) -> None:
-        for queue in self._subscribers:
+        for queue in self._subscribers - self._dropped:
             queue.put_nowait((kind, payload))
+
+    # ------------------------------------------------------------ broken watches
+
+    def drop_watches(self) -> int:
+        """Every current subscriber's watch breaks: no change reaches it until ``relist``,
+        as when the API server ends a watch with ``410 Gone`` and the client has to list
+        again. Changes already queued are still delivered (they were sent before the
+        break). Returns how many watches broke."""
+        fresh = self._subscribers - self._dropped
+        self._dropped |= fresh
+        if fresh:
+            message = "watch broke (410 Gone)"
+            self._record(ClusterEvent(time.time(), "Node", "watch", "Warning", "WatchDropped", message, "cluster"))
+        return len(fresh)
+
+    def relist(self) -> int:
+        """Each broken watch is re-established the way a client does after ``410 Gone``:
+        one full list (``resynced``), then changes again. Returns how many were relisted."""
+        dropped, self._dropped = self._dropped & self._subscribers, set()
+        for queue in dropped:
+            queue.put_nowait((_RESYNC, None))
+        if dropped:
+            self._record(
+                ClusterEvent(time.time(), "Node", "watch", "Normal", "Relisted", "full list after the gap", "cluster")
+            )
+        return len(dropped)
 
     def _record(self, event: ClusterEvent) -> None:
         self.events.append(event)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from controller.cluster import NodeInfo, PodInfo
+from controller.disruption import disruption_key
 from controller.jobconfig import ResolvedConfig, resolve_job_config
 from controller.settings import JobDefaults
 from controller.signals import NodeVerdict, member_seen_key, node_verdict, signal_key
@@ -54,6 +55,8 @@ class JobState:
     world_round: int | None = None
     world_seen: set[str] = field(default_factory=set)
     formed_round: int | None = None
+    closed: bool = False
+    """``rdzv/state`` says the run is closed: the job is over (``set_closed``/``shutdown``)."""
     """``rdzv/state``'s last formed round, when the rendezvous has written one."""
     world_agents: dict[str, float] = field(default_factory=dict)
     """Node -> ``joined_at`` of the agent in the formed round (from ``rdzv/state``)."""
@@ -74,6 +77,8 @@ class JobState:
     presence: ControllerPresence | None = None
     status: JobStatus | None = None
     exclusions: Exclusions | None = None
+    disrupted: dict[str, PodInfo] = field(default_factory=dict)
+    """Pods carrying ``DisruptionTarget=True``, by name."""
     pods_view: tuple[PodInfo, ...] | None = None
     """Cached ``tuple(pods.values())``; None after any pod change."""
     resolved: ResolvedConfig | None = None
@@ -262,7 +267,18 @@ class ClusterModel:
         state.pod_restarts[pod.name] = pod.restart_count
         if pod.deleting and pod.node is not None and not (old is not None and old.deleting):
             state.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
+        self._track_disruption(state, old, pod, now)
         self._on_dirty(job_id)
+
+    def _track_disruption(self, state: JobState, old: PodInfo | None, pod: PodInfo | None, now: float) -> None:
+        """Keep the index of disrupted pods and when each condition was first seen."""
+        if old is not None and old.disruption is not None:
+            if pod is None or pod.disruption is None or disruption_key(pod) != disruption_key(old):
+                state.first_seen.pop(disruption_key(old), None)
+            state.disrupted.pop(old.name, None)
+        if pod is not None and pod.disruption is not None:
+            state.first_seen.setdefault(disruption_key(pod), now)
+            state.disrupted[pod.name] = pod
 
     def pod_deleted(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -276,6 +292,7 @@ class ClusterModel:
         if pod is not None and pod.node is not None:
             self._unindex(pod.node, key)
             state.first_seen.setdefault(signal_key(pod.node, "pod-gone"), self._clock())
+        self._track_disruption(state, pod, None, 0.0)
         self._on_dirty(job_id)
 
     def _unindex(self, node: str, key: tuple[str, str]) -> None:
@@ -486,8 +503,12 @@ class ClusterModel:
                 node, sep, joined = str(agent).rpartition("@")
                 if sep:
                     agents[node] = float(joined)
+            closed = bool(body.get("closed", False))
         except (ValueError, TypeError, KeyError):
             return False
+        if closed != state.closed:
+            state.closed = closed
+            return True
         if formed < 1 or formed == state.formed_round:
             return False
         state.world_agents = agents
@@ -603,6 +624,7 @@ class ClusterModel:
             pods_synced=self.pods_synced,
             members=state.members,
             world_round=state.world_round or 0,
+            finished=state.closed,
             world_seen=frozenset(state.world_seen),
             world_agents=state.world_agents,
             first_seen=FirstSeen(state.first_seen, self.node_signals),
@@ -625,4 +647,5 @@ class ClusterModel:
             pods_by_name=state.pods,
             verdicts=self.verdicts if self.nodes_synced else None,
             suspects=suspects,
+            disrupted=state.disrupted,
         )

@@ -4,6 +4,24 @@ A node carrying any of these is leaving. Each entry names the project it comes f
 the notice that project gives before the node goes, which bounds the checkpoint wait of
 a planned shrink. ``lost`` entries mean the node is already gone for training purposes:
 the re-form is unplanned.
+
+Beside the taints, one pod signal (``POD_DISRUPTION``):
+
+- source: Kubernetes (KEP-3329; beta in 1.26, GA in 1.31);
+- signal: a member's pod carries the condition ``DisruptionTarget=True``, reason
+  ``PreemptionByScheduler``, ``DeletionByTaintManager``, ``EvictionByEvictionAPI``,
+  ``DeletionByPodGC`` or ``TerminationByKubelet``;
+- path: planned;
+- notice: the pod's ``terminationGracePeriodSeconds`` (30 s when unset), from the
+  condition's ``lastTransitionTime`` (else from first sight).
+
+Kubernetes adds the condition before it evicts, preempts or deletes the pod (Kubernetes
+documentation, "Disruptions", section "Pod disruption conditions",
+https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions): the earliest portable
+"this pod is going away". It counts as a reclaim notice on the pod's node for that job
+only; once the pod is terminating (``deletionTimestamp`` set, its containers signalled)
+or has failed, it is a loss as before, and the node stays excluded from the job until the
+condition is gone or the pod is replaced (see ``controller.disruption``).
 """
 
 from __future__ import annotations
@@ -33,6 +51,27 @@ class ReclaimSignal:
     """The taint's value is the unix time it was added (cluster-autoscaler)."""
 
 
+@dataclass(frozen=True)
+class PodSignal:
+    """A pod condition that means "this pod is going away"."""
+
+    condition: str
+    source: str
+    reasons: tuple[str, ...]
+    """The reasons the source documents (others count too: the list is for people)."""
+    default_grace: timedelta
+    """The notice when the pod sets no ``terminationGracePeriodSeconds``."""
+
+
+POD_DISRUPTION = PodSignal(
+    condition="DisruptionTarget",
+    source="Kubernetes",
+    reasons=("PreemptionByScheduler", "DeletionByTaintManager", "EvictionByEvictionAPI", "DeletionByPodGC",
+             "TerminationByKubelet"),
+    default_grace=timedelta(seconds=30),
+)
+
+
 AWS_NOTICE = timedelta(minutes=2)
 GKE_NOTICE = timedelta(seconds=30)
 AKS_NOTICE = timedelta(seconds=30)
@@ -58,8 +97,8 @@ RECLAIM_SIGNALS: tuple[ReclaimSignal, ...] = (
     ReclaimSignal("remediator.kubernetes.azure.com/unschedulable", "AKS", notice=AKS_NOTICE),
 )
 """Besides these taints: node ``spec.unschedulable`` (a cordon), node ``Ready`` not
-True, node deleted, and a member's pod deleted, evicted or failed (see ``node_verdict``
-and ``decide``)."""
+True, node deleted, a member's pod deleted, evicted or failed (see ``node_verdict``
+and ``decide``), and ``POD_DISRUPTION`` on a member's pod."""
 
 _BY_KEY: Mapping[str, ReclaimSignal] = {s.key: s for s in RECLAIM_SIGNALS}
 
@@ -70,7 +109,7 @@ class ReclaimNotice:
 
     node: str
     signal: str
-    """Taint key (or ``spec.unschedulable``) that announced it."""
+    """Taint key (or ``spec.unschedulable``, or the pod condition) that announced it."""
     source: str
     since: float
     """Unix time the notice began (taint timeAdded, the autoscaler's value, or first seen)."""
@@ -138,7 +177,7 @@ def node_verdict(
             return NodeVerdict(lost=f"taint {taint.key}", lost_since=since)
         ends = since + signal.notice.total_seconds() if signal.notice is not None else None
         notice = ReclaimNotice(name, taint.key, signal.source, since, ends)
-        if best is None or _earlier_end(notice, best):
+        if best is None or ends_earlier(notice, best):
             best = notice
     if best is None and node.unschedulable:
         since = first_seen.get(signal_key(name, "unschedulable"), now)
@@ -156,7 +195,8 @@ def leaving_signal(node: NodeInfo, extra_keys: Collection[str]) -> str | None:
     return "spec.unschedulable (cordoned)" if node.unschedulable else None
 
 
-def _earlier_end(a: ReclaimNotice, b: ReclaimNotice) -> bool:
+def ends_earlier(a: ReclaimNotice, b: ReclaimNotice) -> bool:
+    """Whether notice ``a`` ends before ``b`` (a notice without an end never does)."""
     if a.ends_at is None:
         return False
     return b.ends_at is None or a.ends_at < b.ends_at

@@ -56,6 +56,8 @@ class JobSnapshot:
     """Live members by node."""
     world_round: int = 0
     """The job's current round: the lowest round among live members (joiners wait for a later one)."""
+    finished: bool = False
+    """The rendezvous is closed: the job ended (its agents shut down after training)."""
     world_seen: frozenset[str] = frozenset()
     """Nodes seen as members of ``world_round``, including ones whose member has vanished since."""
     world_agents: Mapping[str, float] = field(default_factory=dict)
@@ -93,6 +95,9 @@ class JobSnapshot:
     resolved: ResolvedConfig | None = None
     """The job's config resolved from ``pods`` (the model caches it until the pods change);
     None: ``decide`` resolves it itself."""
+    disrupted: Mapping[str, PodInfo] | None = None
+    """The job's pods carrying ``DisruptionTarget=True``, by name (an index the model
+    keeps); None: ``decide`` finds them in ``pods``."""
 
 
 # --- actions -------------------------------------------------------------------------

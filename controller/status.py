@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from controller.tracing import phase_times, reform_end
+from controller.reform_summary import reform_seconds, resize_message
+from controller.tracing import phase_times
 from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
 from regroup.keys import JobKeys
 from regroup.records import Exclusions, JobStatus, MemberRecord, Progress, RecordError, ReformPlan
@@ -55,7 +57,10 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
                     "outcome": plan.outcome, "reason": plan.reason, "fallback": plan.fallback, "why": plan.why,
                     "world_size_before": len(plan.nodes_before), "world_size_after": len(plan.nodes_after),
                     "lost_steps": plan.lost_steps, "trace_id": plan.trace_id,
-                    "duration_s": round(reform_end(plan) - plan.detected_at, 3) if plan.phase == "done" else None,
+                    "duration_s": round(reform_seconds(plan), 3) if plan.phase == "done" else None,
+                    # The message of the re-form's Resized Event: etcd keeps only the last re-form;
+                    # earlier ones are in the Events (kubectl get events --field-selector reason=Resized).
+                    "summary": resize_message(plan) if plan.phase == "done" and plan.outcome == "completed" else "",
                     "phases_s": {k: round(max(0.0, e - s), 3) for k, (s, e) in phase_times(plan).items()}
                     if plan.phase == "done" else {},
                 }
@@ -93,6 +98,8 @@ def render(report: dict[str, Any]) -> str:
         if last["phase"] == "done":
             head += f", {last['outcome']} in {last['duration_s']}s, lost steps {last['lost_steps']}"
         lines.append(head)
+        if last.get("summary"):
+            lines.append(f"    Resized: {last['summary']}")
         for phase, seconds in last["phases_s"].items():
             lines.append(f"    {phase:<11} {seconds:8.3f}s")
         if last["fallback"]:
@@ -116,5 +123,12 @@ def run(args: argparse.Namespace) -> int:
     except EtcdUnavailable as exc:
         print(f"regroup status: {exc}")
         return 1
-    print(json.dumps(report, indent=2, sort_keys=True) if args.json else render(report))
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        # The re-form line has an arrow: a terminal that cannot show it gets an escape, not a traceback.
+        reconfigure = getattr(sys.stdout, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+        print(render(report))
     return 0

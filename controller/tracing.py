@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
+from controller.reform_summary import reform_end
 from controller.trace_ids import span_id
 from regroup.records import Progress, ReformPlan
 
@@ -73,10 +74,6 @@ def resume_phase_times(plan: ReformPlan) -> dict[str, tuple[float, float]]:
         times[name] = (min(at, end), min(at + max(0.0, seconds), end))
         at += max(0.0, seconds)
     return times
-
-
-def reform_end(plan: ReformPlan) -> float:
-    return plan.resumed_at if plan.outcome == "completed" and plan.resumed_at else plan.finished_at
 
 
 def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan) -> None:

@@ -256,7 +256,7 @@ class Exclusions(Record):
 
     kind: ClassVar[str] = "excluded"
     nodes: dict[str, str] = field(default_factory=dict)
-    """node -> why (the taint or cordon that excludes it)."""
+    """node -> why (the taint, cordon or pod condition that excludes it)."""
     updated_at: float = 0.0
 
 
@@ -266,7 +266,7 @@ class JobStatus(Record):
 
     kind: ClassVar[str] = "status"
     state: str
-    """healthy, reforming, waiting, stalled or bad-config."""
+    """healthy, reforming, waiting, stalled, bad-config or finished (the rendezvous is closed)."""
     reason: str
     world_size: int
     min_nodes: int = 0

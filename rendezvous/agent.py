@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import structlog
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from regroup import etcd
 from regroup.records import MemberRecord
@@ -21,10 +22,15 @@ from rendezvous.decisions import CloseRound, Me
 from rendezvous.records import JoinRecord, RoundState, agent_id
 from rendezvous.settings import RendezvousSettings
 from rendezvous.store import round_prefix
+from rendezvous.watch import JobWatch
 
 log = structlog.get_logger("rendezvous.agent")
 
 ETCD_ERRORS = (etcd.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
+
+
+class DuplicateNode(RendezvousError):
+    """Another live agent runs under this agent's node name."""
 
 
 class AgentKeys:
@@ -126,15 +132,54 @@ class AgentKeys:
         )
         return ok, await self._revision()
 
-    async def mark_closed(self, state: RoundState, revision: int) -> bool:
+    async def mark_closed(self, state: RoundState | None, revision: int) -> int:
+        """Compare-and-set ``rdzv/state`` to closed (a run with no round yet gets a closed
+        state of round 0); returns the revision, 0 if the state moved meanwhile."""
         tx = self.client.transactions
-        closed = dataclasses.replace(state, closed=True, reason="closed by set_closed()")
+        base = state or RoundState(min_nodes=self._settings.min_nodes, max_nodes=self._settings.max_nodes)
+        closed = dataclasses.replace(base, closed=True, reason="closed by set_closed()")
         ok, _ = await self.client.transaction(
             compare=[tx.mod(self._state_key) == revision],
             success=[tx.put(self._state_key, closed.to_json())],
             failure=[],
         )
-        return bool(ok)
+        return await self._revision() if ok else 0
+
+    async def claim_node(self, watch: JobWatch) -> None:
+        """Refuse to start under a node name a live agent of another pod holds.
+
+        A member key of the same pod is this pod's previous agent (pod names are unique
+        while they live), whatever its lease says. Another pod's agent may be gone without
+        its lease having run out yet: it is live only if its lease is renewed while we
+        watch (a live agent renews every TTL/3); a dead one's key vanishes within the TTL.
+        """
+        loop = asyncio.get_running_loop()
+        node, me = self.me.node, self.member
+        while True:
+            holder = watch.view.members.get(node)
+            if holder is None or holder.pod == me.pod or agent_id(holder) == self.me.agent:
+                return
+            got = await self.client.get(self._member_key)
+            if got is None:
+                await watch.changed(1.0)
+                continue
+            lease = await self.client.get_lease_info(got.lease)
+            if lease.TTL <= 0:
+                await watch.changed(1.0)
+                continue
+            started = loop.time()
+            horizon = min(float(lease.TTL), lease.grantedTTL / 2.0 + 1.0)
+            while node in watch.view.members and loop.time() - started < horizon:
+                await watch.changed(horizon - (loop.time() - started))
+            if node not in watch.view.members:
+                return
+            again = await self.client.get_lease_info(got.lease)
+            if again.TTL > lease.TTL - (loop.time() - started) + 1.0:
+                raise DuplicateNode(
+                    f"node name {node!r} is held by the live agent of pod {holder.pod} (host {holder.host or '?'}); "
+                    "give each agent its own NODE_NAME, or --rdzv-conf node_name={hostname}-{pid} for several "
+                    "agents on one host"
+                )
 
     async def leave(self) -> None:
         """Delete this agent's keys (revoking the lease removes them all at once)."""

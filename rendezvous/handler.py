@@ -15,6 +15,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,7 +38,7 @@ from torch.distributed.elastic.rendezvous import (
 from regroup.etcd import LoopThread
 from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
-from rendezvous.agent import ETCD_ERRORS, AgentKeys
+from rendezvous.agent import DuplicateNode, ETCD_ERRORS, AgentKeys
 from rendezvous.connection import JobConnection
 from rendezvous.decisions import (
     round_abandoned,
@@ -128,10 +129,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         os.environ[FAILURE_DIR_ENV] = self._failures
         self._last_reason = ""
         self._waiting = ""
-        self._shut = False
         self._traceparent = ""
         self._probation: timedelta | None = None
         self._stepped_out: bool | None = None
+        self._alone = ""
+        """Why this agent leaves the job on its own (left out, excluded, refused): then
+        ``shutdown`` does not close the run for the others."""
+        self._shutdown_result: bool | None = None
+        self._shutdown_lock = threading.Lock()
+        for note in settings.notes:
+            log.info(note, job=settings.job.job, node=settings.identity.node)
 
     # -- RendezvousHandler --------------------------------------------------------------
 
@@ -325,7 +332,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return bool(state and state.closed)
 
     def set_closed(self) -> None:
-        self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
+        """Close the run: no more rounds; every agent's next rendezvous raises
+        ``RendezvousClosedError``. Works before any round formed; idempotent."""
+        try:
+            self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
+        except TimeoutError:
+            raise RendezvousTimeoutError(
+                f"rendezvous {self._settings.job.job}: not closed within close_timeout "
+                f"{self._settings.timeouts.close.total_seconds():g}s (etcd at {self._settings.etcd.describe()})"
+            ) from None
 
     def num_nodes_waiting(self) -> int:
         waiting, reason = count_waiting(self.view, self._round, self._settings.max_nodes, time.time())
@@ -336,12 +351,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return waiting
 
     def shutdown(self) -> bool:
-        if self._shut:
-            return True
-        self._shut = True
+        """Leave the rendezvous; close the run too (torch's contract: the job is over) unless
+        this agent leaves alone: left out or excluded by the controller, refused at start, or
+        never part of the job's current round (a joiner that gave up). Returns False when
+        etcd could not record it (the lease still expires within ``lease_ttl``)."""
+        with self._shutdown_lock:  # a second caller waits for the first one's answer
+            if self._shutdown_result is None:
+                self._shutdown_result = self._shutdown()
+            return self._shutdown_result
+
+    def _shutdown(self) -> bool:
+        ok = True
+        state = self.view.state
+        close = not self._alone and (state is None or state.round == 0 or self._keys.me.agent in state.agents)
+        try:
+            if close and not self.is_closed():
+                self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
+                log.info("rendezvous closed: the job is over", job=self._settings.job.job, node=self.node)
+            elif not close:
+                log.info("leaving the job alone; the run stays open", node=self.node, why=self._alone or "not in the round")
+        except (TimeoutError, *ETCD_ERRORS) as exc:
+            ok = False
+            log.warning("closing the rendezvous failed", node=self.node, error=str(exc))
         try:
             self._shared.loop.run(self._keys.leave(), self._settings.timeouts.close)
         except (TimeoutError, *ETCD_ERRORS) as exc:
+            ok = False
             log.warning("leaving the rendezvous failed; the lease will expire", node=self.node, error=str(exc))
         finally:
             self._store = None
@@ -351,7 +386,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             flush = getattr(self._tracer_provider or trace.get_tracer_provider(), "force_flush", None)
             if flush is not None:
                 flush(2000)
-        return True
+        return ok
 
     # -- the join loop (on the handler's loop thread) ----------------------------------------
 
@@ -375,6 +410,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     if self._keys.registered:
                         revision = await self._keys.put_join(step.round)
                     else:
+                        try:
+                            await self._keys.claim_node(watch)
+                        except DuplicateNode as exc:
+                            self._alone = str(exc)
+                            raise
                         revision = await self._keys.register(join_round=step.round)
                     await watch.caught_up(revision, 2.0)
                     joined_for = step.round
@@ -392,6 +432,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 elif isinstance(step, Wait):
                     remaining = deadline - loop.time()
                     if step.excluded:
+                        self._alone = step.reason
                         excluded_since = loop.time() if excluded_since is None else excluded_since
                         limit = self._settings.timeouts.excluded.total_seconds()
                         if loop.time() - excluded_since >= limit:
@@ -401,7 +442,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                             )
                         remaining = min(remaining, excluded_since + limit - loop.time())
                     else:
-                        excluded_since = None
+                        excluded_since, self._alone = None, ""
                     if remaining <= 0:
                         raise RendezvousTimeoutError(
                             f"rendezvous {self._settings.job.job}: no round formed within join_timeout "
@@ -411,10 +452,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         remaining = min(remaining, max(0.0, step.until - time.time()) + 0.01)
                     await watch.changed(remaining, since=version)
                 elif isinstance(step, Excluded):
+                    self._alone = step.reason
                     raise ExcludedFromRound(f"node {self.node}: {step.reason}")
                 elif isinstance(step, Closed):
                     raise RendezvousClosedError(f"rendezvous {self._settings.job.job} is closed")
                 elif isinstance(step, Conflict):
+                    self._alone = step.reason
                     raise RendezvousError(f"rdzv-id {self._settings.job.job}: {step.reason}")
                 backoff = 0.05
             except ETCD_ERRORS as exc:
@@ -430,9 +473,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         watch = self._shared.connection.watch
         while True:
             view = watch.view
-            if view.state is None or view.state.closed:
+            if view.state is not None and view.state.closed:
                 return
-            if await self._keys.mark_closed(view.state, view.state_revision):
+            revision = await self._keys.mark_closed(view.state, view.state_revision)
+            if revision:
+                await watch.caught_up(revision, 2.0)
                 return
             await watch.changed(0.5)
 

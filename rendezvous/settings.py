@@ -1,10 +1,12 @@
 """The knobs of the etcd-v3 rendezvous, parsed once from torchrun's parameters.
 
-``--rdzv-conf`` keys (all optional): ``cacert``, ``cert``, ``key``, ``user``, ``password``,
-``lease_ttl``, ``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``excluded_timeout``,
-``key_prefix``.
-torchrun itself adds ``timeout`` (``--rdzv-timeout``, used when ``join_timeout`` is not
-given); any other key is refused with an error naming it, so a typo does not pass silently.
+Every ``--rdzv-conf`` key that torch's own ``c10d``, ``etcd`` and ``etcd-v2`` backends
+accept is accepted here, so an existing launch line works with only the backend changed:
+mapped to the equivalent setting where there is one (``ALIASES``, ``protocol``,
+``read_timeout``, ``keep_alive_*``), otherwise accepted with one log line saying it has
+no effect (``NO_EFFECT``). Our own keys are ``CONF_KEYS``. Values are parsed as torch
+parses them (one pair of surrounding quotes is dropped; booleans as ``get_as_bool``).
+Only a key no backend knows is refused, naming it, so a typo does not pass silently.
 """
 
 from __future__ import annotations
@@ -26,15 +28,39 @@ CONF_KEYS = (
     "key",
     "user",
     "password",
+    "protocol",
     "lease_ttl",
     "join_timeout",
     "last_call_timeout",
     "close_timeout",
     "excluded_timeout",
+    "read_timeout",
     "key_prefix",
+    "node_name",
 )
+ALIASES = {
+    "ca_cert": "cacert",  # etcd-v2
+    "ssl_cert": "cert",  # etcd-v2
+    "ssl_cert_key": "key",  # etcd-v2
+    "etcd_prefix": "key_prefix",  # etcd
+    "ttl": "lease_ttl",
+}
+"""Other backends' names for our keys."""
+KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")
+"""c10d's liveness: a node missing ``max_attempt`` heartbeats ``interval`` s apart is dead.
+Without ``lease_ttl``, they set it to ``interval * max_attempt``."""
+NO_EFFECT = {
+    "heartbeat": "the agent's lease is renewed every lease_ttl/3 instead",
+    "is_host": "no agent hosts a store here: each round's store lives in etcd",
+    "store_type": "each round's store lives in etcd",
+    "use_libuv": "each round's store lives in etcd",
+    "local_addr": "torchrun's --local-addr is used",
+}
+BOOL_KEYS = ("is_host", "use_libuv")
 # Keys torchrun adds on its own: ``timeout`` always, ``rank`` for --node-rank.
-TORCHRUN_KEYS = ("timeout", "rank", "is_host")
+TORCHRUN_KEYS = ("timeout", "rank")
+_TRUE = ("1", "true", "t", "yes", "y")
+_FALSE = ("0", "false", "f", "no", "n")
 
 
 class SettingsError(ValueError):
@@ -57,11 +83,17 @@ class Identity:
     """Workers this agent runs (0 when not known)."""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], local_addr: str | None = None, local_world_size: int = 0) -> Identity:
+    def from_env(
+        cls, env: Mapping[str, str], local_addr: str | None = None, local_world_size: int = 0, node_name: str = ""
+    ) -> Identity:
+        """``node_name`` (``--rdzv-conf node_name=...``) overrides ``NODE_NAME``; it may say
+        ``{hostname}`` and ``{pid}``, so agents sharing a host get distinct names."""
         hostname = socket.gethostname()
+        node = node_name.format(hostname=hostname, pid=os.getpid()) if node_name else ""
         return cls(
-            node=env.get("NODE_NAME") or hostname,
-            pod=env.get("POD_NAME") or hostname,
+            node=node or env.get("NODE_NAME") or hostname,
+            # Outside Kubernetes, agents on one host are told apart by their process.
+            pod=env.get("POD_NAME") or f"{hostname}:{os.getpid()}",
             namespace=env.get("POD_NAMESPACE") or DEFAULT_NAMESPACE,
             host=local_addr or socket.getfqdn(),
             local_world_size=local_world_size,
@@ -112,6 +144,8 @@ class RendezvousSettings:
     """TTL of the lease behind this agent's member key: a dead agent vanishes within it."""
     timeouts: Timeouts = Timeouts()
     """Join, last-call and close timeouts."""
+    notes: tuple[str, ...] = ()
+    """What the handler logs once at start: options accepted with no effect, or mapped."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:
@@ -149,6 +183,67 @@ def _path(conf: Mapping[str, Any], name: str) -> Path | None:
     return path
 
 
+def _unquote(value: Any) -> Any:
+    """One pair of surrounding quotes dropped, as a shell-quoted launch line may leave them."""
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def normalize_conf(conf: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """torchrun's ``--rdzv-conf`` as our keys, and the notes to log about what was mapped or
+    has no effect. Raises ``SettingsError`` naming a key no backend knows, or a bad value."""
+    known = set(CONF_KEYS) | set(ALIASES) | set(KEEP_ALIVE_KEYS) | set(NO_EFFECT) | set(TORCHRUN_KEYS)
+    unknown = sorted(set(conf) - known)
+    if unknown:
+        raise SettingsError(
+            f"rdzv-conf: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+    for name, raw in conf.items():
+        value = _unquote(raw)
+        if name in BOOL_KEYS and value is not None and not isinstance(value, bool):
+            if str(value).strip().lower() not in _TRUE + _FALSE:
+                raise SettingsError(f"rdzv-conf {name}: expected a boolean (true/false/1/0/yes/no), got {value!r}")
+        if name in NO_EFFECT:
+            notes.append(f"rdzv-conf {name}={value} has no effect with etcd-v3: {NO_EFFECT[name]}")
+        elif name in ALIASES:
+            ours = ALIASES[name]
+            if ours in conf and _unquote(conf[ours]) != value:
+                raise SettingsError(f"rdzv-conf {name} and {ours} name the same setting with different values")
+            out[ours] = value
+        elif name not in KEEP_ALIVE_KEYS:
+            out[name] = value
+    if "lease_ttl" not in out and any(k in conf for k in KEEP_ALIVE_KEYS):
+        interval, attempts = _number(conf, "keep_alive_interval", 5.0), _number(conf, "keep_alive_max_attempt", 3.0)
+        ttl = max(2.0, min(300.0, interval * attempts))
+        out["lease_ttl"] = ttl
+        notes.append(f"rdzv-conf keep_alive_interval x keep_alive_max_attempt: a dead agent is noticed within "
+                     f"lease_ttl={ttl:g}s")
+    elif any(k in conf for k in KEEP_ALIVE_KEYS):
+        notes.append("rdzv-conf keep_alive_* has no effect: lease_ttl is given")
+    return out, notes
+
+
+def _number(conf: Mapping[str, Any], name: str, default: float) -> float:
+    raw = _unquote(conf.get(name, default))
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise SettingsError(f"rdzv-conf {name}: expected a number, got {raw!r}") from None
+    if value <= 0:
+        raise SettingsError(f"rdzv-conf {name} must be positive, got {raw!r}")
+    return value
+
+
+def _https(conf: Mapping[str, Any]) -> bool:
+    protocol = str(conf.get("protocol") or "http").strip().lower()
+    if protocol not in ("http", "https"):
+        raise SettingsError(f"rdzv-conf protocol: expected http or https, got {protocol!r}")
+    return protocol == "https"
+
+
 def parse_settings(
     *,
     endpoint: str,
@@ -162,9 +257,7 @@ def parse_settings(
 ) -> RendezvousSettings:
     """Build the settings from torchrun's rendezvous parameters and the environment."""
     env = os.environ if env is None else env
-    unknown = sorted(set(conf) - set(CONF_KEYS) - set(TORCHRUN_KEYS))
-    if unknown:
-        raise SettingsError(f"rdzv-conf: unknown option(s) {', '.join(unknown)}; known: {', '.join(CONF_KEYS)}")
+    conf, notes = normalize_conf(conf)
     try:
         endpoints = parse_endpoints(endpoint or "")
     except ValueError as exc:
@@ -175,10 +268,19 @@ def parse_settings(
     cert, key = _path(conf, "cert"), _path(conf, "key")
     if (cert is None) != (key is None):
         raise SettingsError("rdzv-conf cert and key must be given together")
+    request = _seconds(conf, "read_timeout")
+    if request is not None and request <= timedelta(0):
+        raise SettingsError(f"rdzv-conf read_timeout must be positive, got {request.total_seconds()}s")
     etcd = EtcdSettings(
-        endpoints=endpoints, cacert=_path(conf, "cacert"), cert=cert, key=key, user=user, password=password
-    )
-    identity = Identity.from_env(env, local_addr=local_addr, local_world_size=local_world_size)
+        endpoints=endpoints, cacert=_path(conf, "cacert"), cert=cert, key=key, user=user, password=password,
+        https=_https(conf), request_timeout=request or EtcdSettings.request_timeout,
+    )  # fmt: skip
+    try:
+        identity = Identity.from_env(
+            env, local_addr=local_addr, local_world_size=local_world_size, node_name=str(conf.get("node_name") or "")
+        )
+    except (KeyError, IndexError, ValueError) as exc:
+        raise SettingsError(f"rdzv-conf node_name: only {{hostname}} and {{pid}} may be filled in ({exc})") from None
     try:
         job = JobKeys(identity.namespace, run_id, str(conf.get("key_prefix") or DEFAULT_PREFIX))
     except ValueError as exc:
@@ -197,4 +299,5 @@ def parse_settings(
         max_nodes=max_nodes,
         lease_ttl=_first(_seconds(conf, "lease_ttl"), RendezvousSettings.lease_ttl),
         timeouts=timeouts,
+        notes=tuple(notes),
     )

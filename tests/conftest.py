@@ -1,16 +1,16 @@
-"""Shared fixtures: a real etcd on a free loopback port, and the no-leaked-task check."""
+"""Shared fixtures: a real etcd on a free loopback port, and the no-leaked-task checks."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from regroup.etcd import EtcdSettings, connect
+from regroup.etcd import EtcdSettings, LoopThread, connect, loop_threads
 from regroup.etcd_server import EtcdServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,3 +78,69 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
         leaked = [t for t in leaked if not t.done()]
     leaked = [t for t in leaked if "_AioCall" not in repr(t.get_coro())]
     assert not leaked, f"test leaked tasks: {leaked}"
+
+
+class _LoopThreadCheck:
+    """Where the loop-thread checks have looked up to, so each problem is reported once."""
+
+    checked = loop_threads.mark()
+
+    @classmethod
+    def unchecked(cls) -> list[str]:
+        """Problems recorded since the last look, as text; moves the mark on."""
+        problems = loop_threads.problems(since=cls.checked)
+        cls.checked = loop_threads.mark()
+        return [str(p) for p in problems]
+
+    @staticmethod
+    def close(threads: list[LoopThread]) -> list[str]:
+        """Close what was left open, so the next test is not blamed for (or slowed by) it;
+        their names, as they were (open)."""
+        names = [repr(thread) for thread in threads]
+        for thread in threads:
+            thread.close()
+        return names
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_loop_threads() -> Iterator[None]:
+    """Every test must close the ``LoopThread``s it opened, and nothing may go wrong on a
+    loop thread unnoticed (``regroup.etcd.loop_threads``): a task that crashed with no caller
+    told, a task that did not finish cancelling at ``close()``, an exception in a callback.
+    Those loops run in threads of their own, out of ``_no_leaked_tasks``' sight.
+
+    Loop threads that legitimately outlive a test (opened by a module- or session-scoped
+    fixture) are not the test's: only the loop threads created during the test (by its
+    function-scoped fixtures too: autouse, this fixture is set up before them and torn down
+    after them) must be closed by its end. A leaked one is closed here once reported. A
+    problem recorded during the test fails it, whatever loop it happened on. One recorded
+    between tests (e.g. in a module-scoped fixture's teardown) fails the next test's setup,
+    and one after the last test fails ``_no_loop_thread_left_at_exit``.
+    """
+    between = _LoopThreadCheck.unchecked()
+    assert not between, f"problems on loop threads before this test, outside any test: {between}"
+    mark = loop_threads.mark()
+    yield
+    leaked = _LoopThreadCheck.close(loop_threads.open(since=mark))
+    problems = _LoopThreadCheck.unchecked()
+    assert not leaked and not problems, f"loop threads left open: {leaked}; problems on loop threads: {problems}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_loop_thread_left_at_exit() -> Iterator[None]:
+    """At the end of the session no loop thread may be open (a module- or session-scoped
+    fixture's included), and none may have recorded a problem since the last test's check.
+    Reported as an error in the teardown of the session's last test."""
+    yield
+    leaked = _LoopThreadCheck.close(loop_threads.open())
+    problems = _LoopThreadCheck.unchecked()
+    assert not leaked and not problems, (
+        f"loop threads open at the end of the session: {leaked}; problems on loop threads: {problems}"
+    )
+
+
+@pytest.fixture
+def take_loop_thread_problems() -> Callable[[], list[str]]:
+    """For tests of the loop-thread check itself: returns the problems recorded since the
+    check last looked, which are then the test's to assert on (not reported again)."""
+    return _LoopThreadCheck.unchecked

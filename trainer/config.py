@@ -105,7 +105,8 @@ class DataConfig:
     shuffle: bool = True
     """For source=file: visit the file's windows in a seeded per-epoch permutation."""
     sample_log: str | None = None
-    """Folder where each rank appends the global sample ids it trains on (auditing, tests)."""
+    """Folder where each rank appends one JSON line per step: the step, the global sample ids
+    it trained on, its restart count, the world's rendezvous round and the time (auditing, tests)."""
 
     def __post_init__(self) -> None:
         if self.source == "file" and not self.path:

@@ -61,6 +61,10 @@ class JobChannel:
         self.answered = 0
         """Highest generation already acked (read at start, so a restart does not re-answer)."""
         self.latest_reform: ReformRequest | None = None
+        self._progress_sent = 0
+        """Progress writes handed to the loop (a sequence number per call)."""
+        self._progress_done = 0
+        """The newest of them written (or given up): an older one arriving late is dropped."""
 
     @property
     def timeout(self) -> timedelta:
@@ -71,6 +75,7 @@ class JobChannel:
         self._loop.run(self._start(), self.timeout * 3)
 
     async def _start(self) -> None:
+        self._progress_lock = asyncio.Lock()
         self._client = await connect(self._settings)
         for kv in await self._client.get_prefix(self.keys.acks.encode()):
             head = kv.key.decode()[len(self.keys.acks) :].split("/", 1)[0]
@@ -83,7 +88,10 @@ class JobChannel:
             except RecordError as exc:
                 log.warning("ignoring malformed reform request", error=str(exc))
         revision = await self._read_request()
-        self._watch_task = asyncio.create_task(self._watch(revision), name="checkpoint-request-watch")
+        # Ends only when cancelled; were it to crash, the loop thread logs and records it at once.
+        self._watch_task = self._loop.supervise(
+            asyncio.create_task(self._watch(revision), name="checkpoint-request-watch")
+        )
 
     def _set_request(self, raw: bytes | None) -> None:
         request = None
@@ -150,30 +158,51 @@ class JobChannel:
 
     def publish_progress(self, progress: Progress, wait: bool = False, timeout: timedelta | None = None) -> None:
         """Write ``progress``; without ``wait`` the loop does not block on etcd, with it the
-        write gets at most ``timeout`` (default: the request timeout)."""
-        future = self._loop.submit(self._put_progress(progress))
-        if wait:
-            try:
-                future.result((timeout or self.timeout).total_seconds())
-            except TimeoutError:
-                log.warning("progress write timed out")
-
-    async def _put_progress(self, progress: Progress) -> None:
+        write gets at most ``timeout`` (default: the request timeout). Not written once the
+        channel is closed (this rank no longer speaks for the job)."""
+        if self._loop.closed:
+            log.warning("progress not written: the job channel is closed", step=progress.step)
+            return
+        self._progress_sent += 1
+        write = self._put_progress(progress, self._progress_sent)
+        if not wait:
+            self._loop.spawn(write)
+            return
+        future = self._loop.submit(write)
         try:
-            await self._client.put(self.keys.progress.encode(), progress.to_json())
-        except (ClientError, grpc.RpcError, OSError) as exc:
-            log.warning("progress write failed", error=str(exc))
+            future.result((timeout or self.timeout).total_seconds())
+        except TimeoutError:
+            log.warning("progress write timed out")
+
+    async def _put_progress(self, progress: Progress, seq: int) -> None:
+        # One write at a time, newest wins: an older record never lands after a newer one.
+        async with self._progress_lock:
+            if seq < self._progress_done:
+                return
+            self._progress_done = seq
+            try:
+                await self._client.put(self.keys.progress.encode(), progress.to_json())
+            except (ClientError, grpc.RpcError, OSError) as exc:
+                log.warning("progress write failed", error=str(exc))
 
     def close(self) -> None:
+        """Stop the watch, close the client and the loop thread. Best effort (the trainer is
+        leaving): an etcd error or timeout on the way is logged, not raised; a watch that had
+        crashed was already recorded by the loop thread (``LoopThread.supervise``). Idempotent."""
+        if self._loop.closed:
+            return
+
         async def stop() -> None:
             if self._watch_task is not None:
                 self._watch_task.cancel()
-                await asyncio.gather(self._watch_task, return_exceptions=True)
+                # Waited for, not gathered: its outcome is the supervisor's to report.
+                await asyncio.wait([self._watch_task])
             if self._client is not None:
                 await self._client.close()
 
         try:
             self._loop.run(stop(), self.timeout)
-        except (TimeoutError, ClientError, grpc.RpcError, OSError):
-            pass
-        self._loop.close()
+        except (TimeoutError, ClientError, grpc.RpcError, OSError) as exc:
+            log.warning("closing the job channel", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._loop.close()

@@ -345,7 +345,15 @@ class TrainingRun:
         self.state.samples_seen = self.state.step * self.plan.global_batch
         self.state.lr = lr
         if self._sample_log is not None:
-            record = {"step": step + 1, "ids": list(self.plan.step_ids(step)), "restart": self.info.restart_count}
+            # The round and the time say which world trained this step and when: an audit can
+            # then rebuild the kept trajectory, where a resumed world's steps replace the ones it redoes.
+            record = {
+                "step": step + 1,
+                "ids": list(self.plan.step_ids(step)),
+                "restart": self.info.restart_count,
+                "round": self.world.round if self.world is not None else 0,
+                "t": time.time(),
+            }
             self._sample_log.write(json.dumps(record) + "\n")
             self._sample_log.flush()
         return float(total)

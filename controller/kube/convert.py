@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, TypedDict
 
-from controller.cluster import JOB_LABEL, NodeInfo, PodInfo, Taint
+from controller.cluster import JOB_LABEL, NodeInfo, PodDisruption, PodInfo, Taint
+from controller.signals import POD_DISRUPTION
 
 
 class ObjectMeta(TypedDict, total=False):
@@ -57,6 +58,27 @@ def node_info(obj: dict[str, Any]) -> NodeInfo:
     )
 
 
+def grace_seconds(spec: dict[str, Any]) -> float:
+    """``spec.terminationGracePeriodSeconds``; the API default (30) when absent or not a
+    non-negative number (the API server validates it, so that only guards the parse)."""
+    value = spec.get("terminationGracePeriodSeconds")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return POD_DISRUPTION.default_grace.total_seconds()
+    return float(value)
+
+
+def pod_disruption(spec: dict[str, Any], status: dict[str, Any]) -> PodDisruption | None:
+    """The pod's ``DisruptionTarget=True`` condition, if it carries one."""
+    for condition in status.get("conditions") or ():
+        if isinstance(condition, dict) and condition.get("type") == POD_DISRUPTION.condition:
+            if condition.get("status") != "True":
+                return None
+            reason = str(condition.get("reason") or "unknown reason")
+            since = condition.get("lastTransitionTime")
+            return PodDisruption(reason, parse_time(since if isinstance(since, str) else None), grace_seconds(spec))
+    return None
+
+
 def pod_info(obj: dict[str, Any]) -> PodInfo:
     meta: ObjectMeta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
@@ -75,4 +97,5 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         restart_count=restarts,
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
         labels=labels,
+        disruption=pod_disruption(spec, status),
     )

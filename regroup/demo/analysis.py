@@ -223,12 +223,24 @@ def run_interruptions(run: RunData) -> list[Interruption]:
     return stops
 
 
+def resumed_from_memory(part: Incarnation) -> bool:
+    """The incarnation resumed from the survivors' memory, not from a checkpoint."""
+    phases = part.samples[0].resume_phases
+    return "reshard" in phases and "load" not in phases
+
+
 def continuity_errors(progress: list[ProgressSample]) -> list[str]:
     """Why the loss curve is not continuous, or [] when it is.
 
     Continuous: within an incarnation, steps only go up; each resume starts from a step
     the run had reached and not from before the previous resume; no step of the final
     trajectory is missing (each incarnation picks up at or before where the last stopped).
+
+    A resume from the survivors' memory (``reshard``, nothing loaded) may start past the
+    last recorded step: that state is the step they trained last, in the world they just
+    left, and only rank 0 publishes progress. When rank 0 is the rank that died, the steps
+    it completed with the others after its last record die with it (not trained again,
+    not skipped: just not recorded). A resume from a checkpoint must never start past it.
     """
     errors = []
     parts = incarnations(progress)
@@ -241,7 +253,7 @@ def continuity_errors(progress: list[ProgressSample]) -> list[str]:
         if i == 0:
             continue
         before = parts[i - 1]
-        if part.resumed_from_step > before.last_step:
+        if part.resumed_from_step > before.last_step and not resumed_from_memory(part):
             errors.append(
                 f"incarnation {i}: resumed from step {part.resumed_from_step}, "
                 f"but the run had only reached {before.last_step} (steps skipped)"

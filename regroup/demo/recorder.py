@@ -72,7 +72,14 @@ class JobRecorder:
                 self._apply(kv.key.decode(), kv.value, deleted=False)
             revision = snapshot.header.revision
             while True:
-                watch = await client.watch_prefix(self._keys.root.encode(), start_revision=revision + 1)
+                try:
+                    watch = await client.watch_prefix(self._keys.root.encode(), start_revision=revision + 1)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - etcd down (restarting): try again
+                    log.warning("cannot watch, retrying", revision=revision, error=repr(exc))
+                    await asyncio.sleep(0.5)
+                    continue
                 try:
                     async for event in watch:
                         revision = max(revision, event.kv.mod_revision)

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from controller.cluster import NodeInfo
 from controller.local_cluster import ClusterEvent, LocalCluster
 from regroup.demo.live import LiveSnapshot, LiveView, phase_of
 from regroup.demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
@@ -37,8 +38,9 @@ log = structlog.get_logger("regroup.demo")
 CONTROLLER_READY_TIMEOUT = 60.0
 STARTUP_TIMEOUT = 240.0
 """How long the first training step may take to appear (torch imports on a busy machine)."""
-SETTLE_TIMEOUT = 60.0
-"""How long a scripted event waits at most for the job to train again after the previous one."""
+SETTLE_TIMEOUT = 180.0
+"""How long a scripted event waits at most for the job to settle after the previous one
+(a restored node starts its agent and trainer from scratch: torch imports on a busy machine)."""
 
 
 def _append(path: Path, body: dict[str, Any]) -> None:
@@ -68,7 +70,7 @@ class _Run:
     started_at: float = 0.0
     """When the job first trained: scenario times count from here."""
     delay: float = 0.0
-    """Seconds the script was pushed back waiting for the job to settle (see ``_settled``)."""
+    """Seconds the script was pushed back waiting for the job to settle (see ``_unsettled``)."""
     flaky: dict[str, FlakyNode] = field(default_factory=dict)
     dealt_with: dict[str, float] = field(default_factory=dict)
     """Flaky node -> when the run first saw it cordoned or gone."""
@@ -137,30 +139,64 @@ class _Run:
         return state
 
 
-def _settled(run: _Run, final: bool = False) -> bool:
-    """The job trains (fresh progress) and no re-form is in flight; at the end of the run
-    (``final``), every flaky node has also been dealt with (cordoned or gone), so where the
-    run ends does not depend on the machine's speed."""
+def _schedulable(node: NodeInfo) -> bool:
+    return not node.unschedulable and not any(t.effect in ("NoSchedule", "NoExecute") for t in node.taints)
+
+
+def _world_bounds(run: _Run) -> tuple[int, int]:
+    """The world sizes the job should train at once settled: every schedulable node (no
+    cordon, no reclaim notice) in the world, a flaky node not yet dealt with in it or not."""
+    assert run.cluster is not None
+    job = run.scenario.job
+    usable = [n.name for n in run.cluster.nodes() if _schedulable(n)]
+    required = [n for n in usable if n not in run.flaky]
+    return (
+        min(len(required), job.max_nodes) * job.nproc_per_node,
+        min(len(usable), job.max_nodes) * job.nproc_per_node,
+    )
+
+
+def _unsettled(run: _Run, final: bool = False) -> str:
+    """Why the job is not settled yet, or "" once it is: it trains (fresh progress) in a
+    world of every usable node (a node that came back trains in it, not just has an agent
+    up: its agent and trainer start from scratch first), and no re-form is in flight. At
+    the end of the run (``final``), every flaky node has also been dealt with (cordoned or
+    gone) and the job has trained on since, so where the run ends does not depend on the
+    machine's speed."""
     view = run.recorder.view if run.recorder else None
-    if view is None or view.progress is None or time.time() - view.progress_seen_at > 2.0:
-        return False
+    if view is None or view.progress is None:
+        return "no progress yet"
+    if time.time() - view.progress_seen_at > 2.0:
+        return f"no progress for {time.time() - view.progress_seen_at:.0f}s"
     if final and run.cluster is not None:
         for flaky in run.flaky.values():
             node = run.cluster.node(flaky.node)
             if node is not None and not node.unschedulable:
-                return False
+                return f"flaky {flaky.node} not cordoned"
             # ... and the job has trained on since it was dealt with, not just re-formed.
             dealt_with = run.dealt_with.setdefault(flaky.node, time.time())
             if view.progress_seen_at < dealt_with + 2.0:
-                return False
-    return view.plan is None or view.plan.phase == "done"
+                return f"no training since {flaky.node} was dealt with"
+    if view.plan is not None and view.plan.phase != "done":
+        return f"re-form {view.plan.generation} ({view.plan.cause}) in phase {view.plan.phase}"
+    if run.cluster is not None:
+        low, high = _world_bounds(run)
+        if not low <= view.progress.world_size <= high:
+            expected = str(low) if low == high else f"{low} to {high}"
+            return f"training at world size {view.progress.world_size}, {expected} expected"
+    return ""
 
 
 async def _wait_settled(run: _Run, timeout: float, final: bool = False) -> None:
     """Push the script back until the job settles (at most ``timeout``), so each event's
-    re-form is over before the next one starts on a slow machine too."""
+    re-form is over before the next one starts on a slow machine too. Giving up is
+    recorded (a ``NotSettled`` event, with why): what follows did not play as written."""
     started = time.time()
-    while not _settled(run, final) and time.time() - started < timeout:
+    while why := _unsettled(run, final):
+        if time.time() - started >= timeout:
+            why = f"gave up after {timeout:.0f}s waiting for the job to settle: {why}"
+            run.record("demo", "NotSettled", why, type_="Warning")
+            break
         await asyncio.sleep(0.2)
     run.delay += time.time() - started
 
@@ -231,7 +267,7 @@ def _crash(run: _Run, flaky: FlakyNode, now: float, when: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _owned(coro: Any, name: str) -> AsyncIterator[asyncio.Task[Any]]:
+async def owned_task(coro: Any, name: str) -> AsyncIterator[asyncio.Task[Any]]:
     """A task that is cancelled and awaited when the block ends, however it ends."""
     task = asyncio.create_task(coro, name=name)
     try:
@@ -273,7 +309,7 @@ async def _stop_process(process: asyncio.subprocess.Process) -> None:
             await process.wait()
 
 
-async def _until(awaitable: Any, vital: list[asyncio.Task[Any]], timeout: float, what: str) -> None:
+async def await_vital(awaitable: Any, vital: list[asyncio.Task[Any]], timeout: float, what: str) -> None:
     """Await ``awaitable`` for at most ``timeout`` seconds; fail at once if a vital task ends."""
     waiter = asyncio.ensure_future(awaitable)
     try:
@@ -338,16 +374,16 @@ async def run_scenario(
         run.recorder.view.progress_listeners.append(lambda p: _inject_faults(run, p))
         async with contextlib.AsyncExitStack() as stack:
             # Tasks whose early end (a crash) ends the run with an error instead of a silent stall.
-            vital = [await stack.enter_async_context(_owned(run.recorder.run(), "recorder"))]
+            vital = [await stack.enter_async_context(owned_task(run.recorder.run(), "recorder"))]
             if mode in CONTROLLED and not controller_available():
                 run.record("demo", "NoController", "controller.runtime is not installed: agents re-form on their own")
             elif mode in CONTROLLED:
                 ready = asyncio.Event()
                 controller = await stack.enter_async_context(
-                    _owned(_controller(run.cluster, settings, ready), "controller")
+                    owned_task(_controller(run.cluster, settings, ready), "controller")
                 )
                 vital.append(controller)
-                await _until(ready.wait(), vital, CONTROLLER_READY_TIMEOUT, "the controller to be ready")
+                await await_vital(ready.wait(), vital, CONTROLLER_READY_TIMEOUT, "the controller to be ready")
             stack.push_async_callback(run.cluster.stop)
             trained = asyncio.Event()
             run.recorder.view.progress_listeners.append(lambda _: trained.set())
@@ -356,11 +392,11 @@ async def run_scenario(
                 await run.cluster.add_node(node)
             out = stream or sys.stdout
             view = LiveView(run.snapshot, stream=out, tty=out.isatty() if live is None else live)
-            await stack.enter_async_context(_owned(view.run(), "live-view"))
-            await _until(trained.wait(), vital, STARTUP_TIMEOUT, "the first training step")
+            await stack.enter_async_context(owned_task(view.run(), "live-view"))
+            await await_vital(trained.wait(), vital, STARTUP_TIMEOUT, "the first training step")
             run.started_at = time.time()
-            await stack.enter_async_context(_owned(_crash_at_start(run), "faults"))
-            player = await stack.enter_async_context(_owned(_play(run, scenario.events), "scenario"))
+            await stack.enter_async_context(owned_task(_crash_at_start(run), "faults"))
+            player = await stack.enter_async_context(owned_task(_play(run, scenario.events), "scenario"))
             # The run lasts its duration plus whatever the script was pushed back, and ends
             # once the last event's re-form is over (or the settle time ran out).
             while True:
@@ -368,7 +404,7 @@ async def run_scenario(
                 if remaining <= 0 and player.done():
                     break
                 with contextlib.suppress(TimeoutError):
-                    await _until(asyncio.Event().wait(), vital, max(0.5, min(remaining, 1.0)), "the end of the run")
+                    await await_vital(asyncio.Event().wait(), vital, max(0.5, min(remaining, 1.0)), "the end of the run")
             if player.exception() is not None:
                 raise RuntimeError(f"the scenario failed: {player.exception()!r}") from player.exception()
             if mode in CONTROLLED:

@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from controller.cluster import NodeInfo, PodInfo, Taint
+from controller.cluster import NodeInfo, PodDisruption, PodInfo, Taint
+from controller.disruption import disruption_key
 from controller.signals import signal_key
 from controller.snapshot import Action, JobSnapshot
 from regroup.records import CheckpointAck, MemberRecord, Progress
@@ -71,6 +72,27 @@ def with_taint(s: JobSnapshot, node: str, key: str, value: str = "", seen: float
     first_seen = dict(s.first_seen)
     first_seen[signal_key(node, "taint:" + key)] = seen
     return dataclasses.replace(s, nodes=nodes, first_seen=first_seen)
+
+
+def with_disruption(
+    s: JobSnapshot,
+    node: str,
+    reason: str = "PreemptionByScheduler",
+    since: float | None = T0,
+    grace: float = 30.0,
+    seen: float = T0,
+    **pod_fields: Any,
+) -> JobSnapshot:
+    """``node``'s pod carries ``DisruptionTarget=True`` (first seen at ``seen``)."""
+    pods = tuple(
+        dataclasses.replace(p, disruption=PodDisruption(reason, since, grace), **pod_fields) if p.node == node else p
+        for p in s.pods
+    )
+    first_seen = dict(s.first_seen)
+    for p in pods:
+        if p.node == node:
+            first_seen[disruption_key(p)] = seen
+    return dataclasses.replace(s, pods=pods, first_seen=first_seen)
 
 
 def acked(s: JobSnapshot, generation: int, step: int) -> JobSnapshot:

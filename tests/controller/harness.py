@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -29,12 +32,38 @@ from regroup.etcd import EtcdSettings, EventKind
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, MemberRecord, Progress, Record
 from tests.kubeapi import objects
+from tests.kubeapi.rbac import Authorizer, manifest_authorizer
 from tests.kubeapi.server import FakeKubeAPI
 
 R = TypeVar("R", bound=Record)
 
 NS = "ml"
 WAIT = 15.0
+
+DEPLOY_BASE = Path(__file__).resolve().parents[2] / "deploy" / "base"
+CONTROLLER_NS: str = yaml.safe_load((DEPLOY_BASE / "kustomization.yaml").read_text())["namespace"]
+"""Where deploy/base installs the controller, its RBAC and so its leader-election Lease."""
+
+
+@functools.cache
+def controller_rbac() -> Authorizer:
+    """What deploy/base/rbac.yaml lets the controller Deployment's ServiceAccount do."""
+    docs = list(yaml.safe_load_all((DEPLOY_BASE / "controller.yaml").read_text()))
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    return manifest_authorizer(DEPLOY_BASE / "rbac.yaml", CONTROLLER_NS, account)
+
+
+def check_rbac(api: FakeKubeAPI, first: int, who: str = "the controller") -> None:
+    """Every request the stand-in received from index ``first`` on is one deploy/base/rbac.yaml allows."""
+    controller_rbac().check(api.requests[first:], who)
+
+
+def controller_namespace(api: FakeKubeAPI) -> str:
+    """The controller's namespace (its Lease lives there), made if the stand-in lacks it."""
+    if api.get("Namespace", CONTROLLER_NS) is None:
+        api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CONTROLLER_NS}})
+    return CONTROLLER_NS
 
 
 def fast_settings(identity: str = "ctl-a") -> ControllerSettings:
@@ -128,9 +157,11 @@ async def controller(
     etcd: EtcdSettings,
     settings: ControllerSettings | None = None,
 ) -> AsyncIterator[tuple[ControllerMetrics, InMemorySpanExporter]]:
-    """``run_controller`` with the real Kubernetes adapter, until the block ends."""
+    """``run_controller`` with the real Kubernetes adapter, until the block ends. A block
+    that ends cleanly also checks every API call the controller made against the RBAC."""
     from controller.kube.api import load_api_client
 
+    first = len(api.requests)
     settings = settings or fast_settings()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -158,6 +189,39 @@ async def controller(
         with contextlib.suppress(asyncio.CancelledError):
             await waiter
         await api_client.close()
+    check_rbac(api, first)
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    api: FakeKubeAPI, kubeconfig: Any, etcd: EtcdSettings, settings: ControllerSettings
+) -> AsyncIterator[tuple[Any, asyncio.Task[None], ControllerMetrics]]:
+    """One controller replica behind leader election (Lease ``regroup-controller`` in the
+    controller's namespace), as ``regroup controller`` runs it; yields (elector, task,
+    metrics). A block that ends cleanly checks the calls made meanwhile against the RBAC."""
+    from controller.kube.api import load_api_client
+    from controller.kube.leader import LeaderElector
+
+    first = len(api.requests)
+    metrics = ControllerMetrics()
+    api_client = await load_api_client(kubeconfig)
+    raw = RawKube(api_client)
+    identity = settings.runtime.identity
+    elector = LeaderElector(raw, controller_namespace(api), "regroup-controller", identity, settings.kube, metrics)
+
+    async def lead() -> None:
+        await run_controller(settings, KubeSource(raw, settings.kube, metrics), KubeActuator(raw, settings.kube), etcd,
+                             metrics=metrics)
+
+    task = asyncio.create_task(elector.run(lead))
+    try:
+        yield elector, task, metrics
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await api_client.close()
+    check_rbac(api, first, f"replica {identity}")
 
 
 def sample(metrics: ControllerMetrics, name: str, **labels: str) -> float:

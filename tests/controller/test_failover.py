@@ -19,12 +19,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
-from controller.kube.actuator import KubeActuator
-from controller.kube.api import RawKube, load_api_client
-from controller.kube.leader import LeaderElector
-from controller.kube.source import KubeSource
-from controller.metrics import ControllerMetrics
-from controller.runtime import run_controller
 from controller.settings import ControllerSettings, ReformSettings
 from controller.status import job_status, render
 from regroup.keys import JobKeys
@@ -35,6 +29,7 @@ from rendezvous.settings import parse_settings
 from tests.kubeapi import objects
 
 from .harness import NS, Cluster, fast_settings, notes, sample, until
+from .harness import replica as harness_replica
 
 JOB = "llama"
 KEYS = JobKeys(NS, JOB)
@@ -56,6 +51,8 @@ class NodeAgent:
     restarts: int = 0
     error: BaseException | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Orders a new handler against ``stop``: none is made once stopping began."""
     _handler: EtcdV3RendezvousHandler | None = None
     _thread: threading.Thread | None = None
 
@@ -73,8 +70,11 @@ class NodeAgent:
         return EtcdV3RendezvousHandler(settings)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            handler = self._handler = self._new_handler()
+        while True:
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                handler = self._handler = self._new_handler()
             try:
                 while not self._stop.is_set():
                     info = handler.next_rendezvous()
@@ -98,8 +98,9 @@ class NodeAgent:
         return handler is not None and handler.round == 0 and "is excluded from the job" in handler.waiting_for
 
     def stop(self) -> None:
-        self._stop.set()
-        handler = self._handler
+        with self._lock:
+            self._stop.set()
+            handler = self._handler
         if handler is not None:
             handler.shutdown()  # unblocks a next_rendezvous still waiting
         if self._thread is not None:
@@ -141,26 +142,10 @@ def settings(identity: str) -> ControllerSettings:
 
 
 @contextlib.asynccontextmanager
-async def replica(kubeconfig, etcd_settings, identity: str):
-    """One controller replica behind leader election, as ``regroup controller`` runs it."""
-    config = settings(identity)
-    metrics = ControllerMetrics()
-    api_client = await load_api_client(kubeconfig)
-    raw = RawKube(api_client)
-    elector = LeaderElector(raw, NS, "regroup-controller", identity, config.kube, metrics)
-
-    async def lead() -> None:
-        await run_controller(config, KubeSource(raw, config.kube, metrics), KubeActuator(raw, config.kube),
-                             etcd_settings, metrics=metrics)
-
-    task = asyncio.create_task(elector.run(lead))
-    try:
-        yield elector, task, metrics
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await api_client.close()
+async def replica(kube_api, kubeconfig, etcd_settings, identity: str):
+    """One controller replica behind leader election (``harness.replica``)."""
+    async with harness_replica(kube_api, kubeconfig, etcd_settings, settings(identity)) as running:
+        yield running
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
@@ -186,9 +171,9 @@ async def test_a_leader_lost_mid_shrink_ends_at_the_right_size_with_the_leaving_
             agent.start()
         await cluster.wait_record(KEYS.rdzv + "state", RoundState, lambda s: len(s.nodes) == 3, WAIT)
         trainer.reports.set()
-        async with replica(kubeconfig, etcd_settings, "ctl-a") as (a, a_task, _):
+        async with replica(kube_api, kubeconfig, etcd_settings, "ctl-a") as (a, a_task, _):
             await until(lambda: a.leading, WAIT)
-            async with replica(kubeconfig, etcd_settings, "ctl-b") as (b, _, b_metrics):
+            async with replica(kube_api, kubeconfig, etcd_settings, "ctl-b") as (b, _, b_metrics):
                 kube_api.patch("Node", "n2", {"spec": {"taints": [objects.taint(SPOT)]}})
                 request = await cluster.wait_record(KEYS.checkpoint, CheckpointRequest, timeout=WAIT)
                 excluded = await cluster.wait_record(KEYS.excluded, Exclusions, lambda e: "n2" in e.nodes, WAIT)

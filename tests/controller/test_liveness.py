@@ -116,3 +116,13 @@ def test_a_restart_storm_node_is_excluded_with_its_cordon() -> None:
     d = decide(s, T0, S)
     [write] = of(d.actions, WriteExclusions)
     assert write.exclusions.nodes == {"n3": "restart storm"}
+
+
+def test_a_closed_rendezvous_finishes_the_job_and_nothing_is_re_formed() -> None:
+    # The agents closed the run (training ended); then their members vanish one by one.
+    s = dataclasses.replace(_shrink_in_rendezvous(), finished=True)
+    s, d = step(s, T0 + 3)
+    assert s.plan.outcome == "superseded" and s.plan.why == "the job finished (its rendezvous is closed)"
+    assert s.status.state == "finished"
+    gone = dataclasses.replace(s, members={"n1": member("n1")})
+    assert not of(decide(gone, T0 + 4, S).actions, WritePlan)

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from controller.cluster import NodeInfo, Taint
+from controller.cluster import NodeInfo, PodDisruption, Taint
 from controller.jobconfig import parse_duration, parse_pod_config, resolve_job_config
 from controller.model import ClusterModel
 from controller.settings import (
@@ -200,6 +200,11 @@ def test_the_rendezvous_round_record_is_the_authority_on_the_current_round() -> 
     m.etcd_put(KEYS.rdzv + "state", state6.encode(), 6)
     snap = m.snapshot((NS, JOB))
     assert snap.world_round == 6 and snap.world_seen == {"n1", "n2"} and snap.round_times == (T0 + 2,)
+    assert not snap.finished
+    closed = _json.dumps({"v": 1, "kind": "rdzv-state", "round": 6, "nodes": ["n1", "n2"], "min_nodes": 1,
+                          "max_nodes": 4, "closed": True})
+    m.etcd_put(KEYS.rdzv + "state", closed.encode(), 7)
+    assert m.snapshot((NS, JOB)).finished, "a closed rendezvous is a finished job"
 
 
 async def test_the_plan_is_compare_and_set_on_its_revision(etcd_client) -> None:
@@ -253,8 +258,9 @@ def test_the_suspect_index_never_changes_a_decision() -> None:
         elif roll < 0.35:
             m.node_deleted(node)
         elif roll < 0.5:
+            disruption = PodDisruption("PreemptionByScheduler", None, 30.0) if rng.random() < 0.3 else None
             m.pod_changed(dataclasses.replace(pod(node, annotations(2, 10)), deleting=rng.random() < 0.3,
-                                              restart_count=rng.randrange(3)))
+                                              restart_count=rng.randrange(3), disruption=disruption))
         elif roll < 0.6:
             m.pod_deleted(NS, f"{JOB}-{node}")
         elif roll < 0.8:
@@ -263,7 +269,7 @@ def test_the_suspect_index_never_changes_a_decision() -> None:
             m.etcd_delete(KEYS.member(node), step + 2)
         snap = m.snapshot((NS, JOB))
         indexed = decide(snap, clock.now, settings)
-        full = decide(dataclasses.replace(snap, suspects=None), clock.now, settings)
+        full = decide(dataclasses.replace(snap, suspects=None, disrupted=None), clock.now, settings)
         assert indexed == full, f"step {step}"
         for action in indexed.actions:
             if isinstance(action, WritePlan):

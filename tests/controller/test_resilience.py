@@ -10,12 +10,6 @@ import subprocess
 import aiohttp
 import pytest
 
-from controller.kube.actuator import KubeActuator
-from controller.kube.api import RawKube, load_api_client
-from controller.kube.leader import LeaderElector
-from controller.kube.source import KubeSource
-from controller.metrics import ControllerMetrics
-from controller.runtime import run_controller
 from controller.status import job_status
 from regroup.keys import JobKeys
 from regroup.records import (
@@ -30,13 +24,16 @@ from tests.kubeapi import objects
 from .harness import (
     NS,
     Cluster,
+    check_rbac,
     controller,
+    controller_namespace,
     fast_settings,
     notes,
     replace_settings,
     sample,
     until,
 )
+from .harness import replica as harness_replica
 
 JOB = "llama"
 KEYS = JobKeys(NS, JOB)
@@ -92,33 +89,17 @@ async def run_cli(argv: list[str], env: dict[str, str]) -> str:
 
 
 @contextlib.asynccontextmanager
-async def replica(kubeconfig, etcd_settings, identity: str):
-    """One controller replica behind leader election, as ``regroup controller`` runs it."""
-    settings = fast_settings(identity)
-    metrics = ControllerMetrics()
-    api_client = await load_api_client(kubeconfig)
-    raw = RawKube(api_client)
-    elector = LeaderElector(raw, NS, "regroup-controller", identity, settings.kube, metrics)
-
-    async def lead() -> None:
-        await run_controller(settings, KubeSource(raw, settings.kube, metrics), KubeActuator(raw, settings.kube),
-                             etcd_settings, metrics=metrics)
-
-    task = asyncio.create_task(elector.run(lead))
-    try:
+async def replica(kube_api, kubeconfig, etcd_settings, identity: str):
+    """One controller replica behind leader election (``harness.replica``)."""
+    async with harness_replica(kube_api, kubeconfig, etcd_settings, fast_settings(identity)) as (elector, task, _):
         yield elector, task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await api_client.close()
 
 
 async def test_leader_failover_mid_reform_repeats_nothing_and_forgets_nothing(cluster, kube_api, kubeconfig, etcd_settings) -> None:
     await cluster.job(JOB, ["n1", "n2", "n3"], notes(2, 4))
-    async with replica(kubeconfig, etcd_settings, "ctl-a") as (a, a_task):
+    async with replica(kube_api, kubeconfig, etcd_settings, "ctl-a") as (a, a_task):
         await until(lambda: a.leading)
-        async with replica(kubeconfig, etcd_settings, "ctl-b") as (b, _):
+        async with replica(kube_api, kubeconfig, etcd_settings, "ctl-b") as (b, _):
             kube_api.patch("Node", "n2", {"spec": {"taints": [objects.taint("aws-node-termination-handler/spot-itn")]}})
             request = await cluster.wait_record(KEYS.checkpoint, CheckpointRequest)
             assert not b.leading
@@ -127,7 +108,7 @@ async def test_leader_failover_mid_reform_repeats_nothing_and_forgets_nothing(cl
             with contextlib.suppress(asyncio.CancelledError):
                 await a_task
             await until(lambda: b.leading)
-            lease = kube_api.get("Lease", "regroup-controller", NS)
+            lease = kube_api.get("Lease", "regroup-controller", controller_namespace(kube_api))
             assert lease["spec"]["holderIdentity"] == "ctl-b"
             # The new leader waits for the same checkpoint: no second request, same generation.
             await cluster.ack(JOB, request.generation, 10, 6)
@@ -159,6 +140,7 @@ async def test_status_shows_members_progress_and_the_last_reform(cluster, kube_a
     last = report["last_reform"]
     assert last["cause"] == "node-lost" and last["outcome"] == "completed" and last["lost_steps"] == 2
     assert set(last["phases_s"]) == {"detect", "rendezvous", "resume"}
+    assert last["summary"].startswith("3 → 2 nodes: loss of n3, 2 steps lost, ")  # the Resized Event's message
     # The CLI prints the same, as JSON and as text.
     endpoint = etcd_settings.describe().removeprefix("http://")
     cli = [python, "-m", "regroup.cli", "status", "--job", JOB, "--namespace", NS, "--etcd", endpoint]
@@ -166,6 +148,7 @@ async def test_status_shows_members_progress_and_the_last_reform(cluster, kube_a
     assert json.loads(as_json)["last_reform"]["generation"] == last["generation"]
     text = await run_cli(cli, worker_env)
     assert "healthy" in text and "last re-form" in text and "node-lost" in text
+    assert "    Resized: " + last["summary"] in text.splitlines()
 
 
 async def test_http_serves_metrics_and_probes(cluster, kube_api, kubeconfig, etcd_settings) -> None:
@@ -192,13 +175,15 @@ async def test_the_controller_process_runs_against_the_api_and_etcd(cluster, kub
     await cluster.job(JOB, ["n1", "n2", "n3"], notes(2, 4))
     port = free_port()
     endpoint = etcd_settings.describe().removeprefix("http://")
-    env = {**worker_env, "POD_NAME": "ctl-proc", "POD_NAMESPACE": NS, "REGROUP_SPANS_FILE": str(tmp_path / "spans.jsonl")}
+    lease_ns = controller_namespace(kube_api)
+    first = len(kube_api.requests)
+    env = {**worker_env, "POD_NAME": "ctl-proc", "POD_NAMESPACE": lease_ns, "REGROUP_SPANS_FILE": str(tmp_path / "spans.jsonl")}
     proc = await asyncio.create_subprocess_exec(
         python, "-m", "regroup.cli", "controller", "--kubeconfig", str(kubeconfig), "--etcd", endpoint,
         "--http-port", str(port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:
-        lease = await kube_api.wait_for(lambda api: api.get("Lease", "regroup-controller", NS), timeout=30)
+        lease = await kube_api.wait_for(lambda api: api.get("Lease", "regroup-controller", lease_ns), timeout=30)
         assert lease["spec"]["holderIdentity"] == "ctl-proc"
         kube_api.patch("Node", "n1", {"spec": {"taints": [objects.taint("karpenter.sh/disrupted")]}})
         request = await cluster.wait_record(KEYS.checkpoint, CheckpointRequest)
@@ -216,4 +201,5 @@ async def test_the_controller_process_runs_against_the_api_and_etcd(cluster, kub
             _, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()[-2000:]
     # A clean shutdown hands the Lease back at once.
-    assert kube_api.get("Lease", "regroup-controller", NS)["spec"]["holderIdentity"] == ""
+    assert kube_api.get("Lease", "regroup-controller", lease_ns)["spec"]["holderIdentity"] == ""
+    check_rbac(kube_api, first, "regroup controller")

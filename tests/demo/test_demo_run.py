@@ -12,7 +12,14 @@ import sys
 
 import pytest
 
-from regroup.demo.analysis import RunData, continuity_errors, event_impacts, incarnations, load_run
+from regroup.demo.analysis import (
+    RunData,
+    continuity_errors,
+    event_impacts,
+    incarnations,
+    load_run,
+    resumed_from_memory,
+)
 from regroup.trace_report import reforms_from_spans
 
 # About 2 minutes on an idle 2-core machine; a loaded one stretches the re-forms, and the
@@ -74,6 +81,14 @@ def test_the_job_grows_back_to_full_size(short_run: RunData) -> None:
     assert any(r.cause == "grow" and r.world_after == full for r in reforms_from_spans(short_run.spans))
 
 
+def test_every_event_found_the_job_settled(short_run: RunData) -> None:
+    # The script waits for each re-form to be over (and restored nodes to train in the job)
+    # before the next event, and at the end for the flaky node's cordon and the re-form after
+    # it: the facts below hold on a busy machine too, unless the job never settled.
+    unsettled = [e.message for e in short_run.events if e.reason == "NotSettled"]
+    assert not unsettled, unsettled
+
+
 def test_the_flaky_node_is_cordoned_and_the_job_trains_on(short_run: RunData) -> None:
     cordons = [e for e in short_run.events if e.reason == "Cordoned"]
     flaky = next(e.nodes for e in short_run.events if e.source == "scenario" and e.reason == "flaky")
@@ -83,7 +98,19 @@ def test_the_flaky_node_is_cordoned_and_the_job_trains_on(short_run: RunData) ->
     cordoned_at = cordons[0].time
     later = [p for p in short_run.progress if p.time > cordoned_at]
     assert later and later[-1].step > later[0].step, "no training after the cordon"
-    assert later[-1].world_size == 2
+    assert later[-1].world_size == 2, f"world sizes after the cordon: {[p.world_size for p in later]}"
+
+
+def test_no_loop_thread_of_an_agent_or_trainer_recorded_a_problem(short_run: RunData) -> None:
+    # The agents' rendezvous and the trainers' etcd channel run asyncio loops in threads
+    # (``regroup.etcd.LoopThread``); what goes wrong there unseen by a caller is logged.
+    problems = [
+        f"{log.name}: {line.strip()[:300]}"
+        for log in sorted((short_run.root / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "loop thread problem" in line
+    ]
+    assert not problems, problems
 
 
 def test_the_loss_curve_is_continuous(short_run: RunData) -> None:
@@ -92,8 +119,16 @@ def test_the_loss_curve_is_continuous(short_run: RunData) -> None:
     assert len(parts) >= 4, "the scenario re-forms at least four times"
     for before, after in itertools.pairwise(parts):
         # Each incarnation resumes from a step the run had reached; its first progress is the
-        # step right after it (a new world publishes once its first step is done).
-        assert after.first_step == after.resumed_from_step + 1
-        assert after.resumed_from_step <= before.last_step
+        # step right after it (a new world publishes once its first step is done), unless
+        # that world re-formed again before its first step (likelier on a busy machine): its
+        # rank 0 then recorded the step it left at, its resume point, as the world's only
+        # record, and the next world resumed from that same step.
+        at_resume = [i for i, s in enumerate(after.samples) if s.step == after.resumed_from_step]
+        assert after.first_step == after.resumed_from_step + (0 if at_resume else 1), after
+        for i in at_resume:
+            left, following = after.samples[i], after.samples[i + 1 : i + 2]
+            assert all(f.round != left.round for f in following), f"a world recorded its resume point, trained on: {after}"
+        # Past the last record only from the survivors' memory (see ``continuity_errors``).
+        assert after.resumed_from_step <= before.last_step or resumed_from_memory(after)
         steps = [s.step for s in after.samples]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)

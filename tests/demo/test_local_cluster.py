@@ -39,6 +39,8 @@ class Sink:
         self.pods: dict[str, PodInfo] = {}
         self.deleted_nodes: list[str] = []
         self.deleted_pods: list[str] = []
+        self.lists = 0
+        """Full lists received (the first one, then one per relist)."""
         self._changed = asyncio.Event()
 
     def _poke(self) -> None:
@@ -65,6 +67,7 @@ class Sink:
     def resynced(self, nodes: list[NodeInfo], pods: list[PodInfo]) -> None:
         self.nodes = {n.name: n for n in nodes}
         self.pods = {p.name: p for p in pods}
+        self.lists += 1
         self._poke()
 
     async def until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -211,3 +214,21 @@ async def test_a_reclaim_notice_taints_the_node_then_it_dies(cluster) -> None:
     assert alive(agent)
     await sink.until(lambda: "node-1" in sink.deleted_nodes)
     assert not alive(agent)
+
+
+async def test_a_dropped_watch_sees_the_gap_only_through_the_relist(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("node-1")
+    await sink.until(lambda: "node-1-worker" in sink.pods)
+    assert local.drop_watches() == 1
+    await local.remove_node("node-1")
+    await local.add_node("node-2")
+    assert local.drop_watches() == 0, "a broken watch does not break twice"
+    assert local.relist() == 1
+    await sink.until(lambda: sink.lists == 2)
+    assert set(sink.nodes) == {"node-2"} and set(sink.pods) == {"node-2-worker"}
+    # No change from the gap arrived on its own: the deletion is known from the list only.
+    assert sink.deleted_nodes == [] and sink.deleted_pods == []
+    await local.remove_node("node-2")
+    await sink.until(lambda: "node-2" in sink.deleted_nodes)
+    assert [e.reason for e in local.events if e.name == "watch"] == ["WatchDropped", "Relisted"]

@@ -67,6 +67,16 @@ def test_continuity_catches_skipped_and_backward_steps() -> None:
     assert "older than the previous resume" in continuity_errors(regress)[-1]
 
 
+def test_a_resume_from_memory_may_start_past_the_last_record_of_a_dead_rank_0() -> None:
+    # Rank 0 recorded step 2 and died after training step 3 with the others; they resume
+    # from their memory at step 3. From a checkpoint, the same resume would skip steps.
+    before = [P(0, 1, 1.0, 3, 0), P(1, 2, 1.0, 3, 0)]
+    from_memory = P(2, 4, 1.0, 2, 3, resume_phases={"process_group": 0.5, "reshard": 1.0})
+    assert continuity_errors([*before, from_memory]) == []
+    loaded = P(2, 4, 1.0, 2, 3, resume_phases={"process_group": 0.5, "load": 1.0})
+    assert "steps skipped" in continuity_errors([*before, loaded])[0]
+
+
 def test_goodput_counts_only_steps_that_were_kept(regroup_run: Path) -> None:
     run = load_run(regroup_run)
     # Step time 0.5 s. Kept: 19 + (40-21=19) + 19 + 19 intervals; 7 of the second

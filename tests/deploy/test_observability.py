@@ -18,7 +18,7 @@ COLLECTOR = DEPLOY / "observability/collector"
 HISTOGRAMS = {"regroup_reform_duration_seconds", "regroup_reform_phase_duration_seconds"}
 COUNTERS = {
     "regroup_reforms_total", "regroup_lost_steps_total", "regroup_cordons_total",
-    "regroup_rendezvous_rounds_total", "regroup_watch_restarts_total",
+    "regroup_rendezvous_rounds_total", "regroup_watch_restarts_total", "regroup_reforms_abandoned_total",
 }
 GAUGES = {
     "regroup_world_size", "regroup_job_min_nodes", "regroup_job_max_nodes", "regroup_job_stalled",
@@ -35,6 +35,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "regroup_reform_duration_seconds": ("namespace", "job", "cause", "planned"),
     "regroup_reform_phase_duration_seconds": ("cause", "phase"),
     "regroup_reforms": ("namespace", "job", "cause", "planned"),
+    "regroup_reforms_abandoned": ("namespace", "job", "cause", "phase", "outcome"),
     "regroup_world_size": ("namespace", "job"),
     "regroup_job_min_nodes": ("namespace", "job"),
     "regroup_job_max_nodes": ("namespace", "job"),

@@ -61,10 +61,12 @@ def pod(
     restart_count: int = 0,
     phase: str = "Running",
     labels: Mapping[str, str] | None = None,
+    termination_grace_period: int | None = None,
 ) -> dict[str, Any]:
-    """A worker pod of `job` scheduled on `node`, with one container named "worker"."""
+    """A worker pod of `job` scheduled on `node`, with one container named "worker"
+    (and `spec.terminationGracePeriodSeconds` when given)."""
     running = phase == "Running"
-    return {
+    obj: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -94,3 +96,6 @@ def pod(
             ],
         },
     }
+    if termination_grace_period is not None:
+        obj["spec"]["terminationGracePeriodSeconds"] = termination_grace_period
+    return obj

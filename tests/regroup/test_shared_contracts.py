@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 
-from regroup.etcd import EtcdSettings, EtcdUnavailable, LeaseKeeper, LoopThread, connect, parse_endpoints
+from regroup.etcd import EtcdSettings, EtcdUnavailable, LeaseKeeper, LoopThread, connect, loop_threads, parse_endpoints
 from regroup.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import CheckpointRequest, MemberRecord, Progress, RecordError, ReformRequest
@@ -94,3 +95,51 @@ def test_loop_thread_runs_coroutines_for_sync_callers(etcd: EtcdServer) -> None:
         loop.run(client.close())
     finally:
         loop.close()
+
+
+def test_loop_thread_records_what_no_caller_was_told_and_is_listed_until_closed(
+    take_loop_thread_problems: Callable[[], list[str]],
+) -> None:
+    loop = LoopThread(name="checked")
+    assert loop in loop_threads.open()
+
+    async def crash() -> None:
+        raise ValueError("crashed in the background")
+
+    async def ignores_cancel() -> None:
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                pass
+
+    async def raises_when_cancelled() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            raise KeyError("on the way out")
+
+    async def background() -> None:
+        loop.supervise(asyncio.create_task(crash(), name="supervised"))
+        asyncio.create_task(ignores_cancel(), name="stubborn")
+        asyncio.create_task(raises_when_cancelled(), name="messy")
+        await asyncio.sleep(0)
+
+    loop.spawn(crash())
+    loop.run(background())
+    with pytest.raises(ValueError, match="crashed in the background"):
+        loop.run(crash())  # told to its caller: not a problem
+    loop.close(timeout=timedelta(seconds=0.5))
+    assert loop not in loop_threads.open() and loop.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.run(crash())
+    problems = take_loop_thread_problems()
+    assert problems == [f"checked#{loop.serial}: {p}" for p in loop.problems]
+    assert sorted(p.split(" ")[0:2] for p in loop.problems) == [
+        ["spawned", "'test_loop_thread_records_what_no_caller_was_told_and_is_listed_until_closed.<locals>.crash'"],
+        ["task", "'messy'"],
+        ["task", "'stubborn'"],
+        ["task", "'supervised'"],
+    ]
+    assert any("KeyError('on the way out') when cancelled" in p for p in loop.problems)
+    assert any("'stubborn'" in p and "still running 0.5s after being cancelled" in p for p in loop.problems)

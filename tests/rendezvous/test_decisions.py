@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from datetime import timedelta
 
@@ -183,6 +184,40 @@ def test_settings_refuse_bad_options_naming_them() -> None:
     assert settings.timeouts.join == timedelta(seconds=90)
     assert settings.timeouts.last_call == timedelta(0)
     assert settings.job.member("n7") == "/x/team/job/members/n7"
+
+
+# Every key torch 2.13's c10d, etcd and etcd-v2 backends read from --rdzv-conf, with a value.
+TORCH_LAUNCH_KEYS = {
+    "join_timeout": "30", "last_call_timeout": "2", "close_timeout": "9", "heartbeat": "4",
+    "keep_alive_interval": "2", "keep_alive_max_attempt": "4", "read_timeout": "7", "is_host": "false",
+    "store_type": "tcp", "use_libuv": "1", "protocol": "http", "etcd_prefix": "/torchelastic/p2p",
+    "timeout": "900", "rank": "0",
+}  # fmt: skip
+
+
+def test_every_rdzv_conf_key_torchs_backends_accept_is_accepted_mapped_or_noted() -> None:
+    base = {"endpoint": "127.0.0.1:2379", "run_id": "job", "min_nodes": 1, "max_nodes": 2, "env": {"NODE_NAME": "n1"}}
+    settings = parse_settings(conf=TORCH_LAUNCH_KEYS, **base)  # type: ignore[arg-type]
+    assert settings.timeouts.join == timedelta(seconds=30) and settings.timeouts.close == timedelta(seconds=9)
+    assert settings.lease_ttl == timedelta(seconds=8), "keep_alive_interval x keep_alive_max_attempt"
+    assert settings.etcd.request_timeout == timedelta(seconds=7) and not settings.etcd.tls
+    assert settings.job.member("n1") == "/torchelastic/p2p/default/job/members/n1"
+    noted = " ".join(settings.notes)
+    assert all(f"{k}=" in noted for k in ("heartbeat", "is_host", "store_type", "use_libuv"))
+    # etcd-v2's names, https without a CA bundle (the system's), quoted values as a launcher passes them.
+    v2 = parse_settings(conf={"protocol": "https", "ttl": '"6"', "join_timeout": "'12'"}, **base)  # type: ignore[arg-type]
+    assert v2.etcd.tls and v2.etcd.describe().startswith("https://") and v2.lease_ttl == timedelta(seconds=6)
+    assert v2.timeouts.join == timedelta(seconds=12)
+    # Bad values are named as torch names them; a key no backend knows is refused.
+    with pytest.raises(SettingsError, match="is_host: expected a boolean"):
+        parse_settings(conf={"is_host": "maybe"}, **base)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="protocol"):
+        parse_settings(conf={"protocol": "grpc"}, **base)  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="unknown option.*lease-ttl"):
+        parse_settings(conf={"lease-ttl": "3"}, **base)  # type: ignore[arg-type]
+    # Agents sharing a host get distinct names when asked.
+    named = parse_settings(conf={"node_name": "{hostname}-{pid}"}, **{**base, "env": {}})  # type: ignore[arg-type]
+    assert named.identity.node.endswith(f"-{os.getpid()}")
 
 
 def test_a_round_whose_agent_vanished_or_that_was_superseded_is_abandoned() -> None:

@@ -41,14 +41,14 @@ class Agents:
         self.handlers: list[EtcdV3RendezvousHandler] = []
         self.pool = ThreadPoolExecutor(max_workers=8)
 
-    def make(self, node: str, nnodes: tuple[int, int] = (1, 3), **conf: str) -> EtcdV3RendezvousHandler:
+    def make(self, node: str, nnodes: tuple[int, int] = (1, 3), pod: str = "", **conf: str) -> EtcdV3RendezvousHandler:
         settings = parse_settings(
             endpoint=self.endpoint,
             run_id="job",
             min_nodes=nnodes[0],
             max_nodes=nnodes[1],
             conf={**FAST, **conf},
-            env={"NODE_NAME": node, "POD_NAME": f"pod-{node}"},
+            env={"NODE_NAME": node, "POD_NAME": pod or f"pod-{node}"},
             local_addr="127.0.0.1",
         )
         handler = EtcdV3RendezvousHandler(settings)

@@ -14,12 +14,14 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from regroup.etcd import ClientError
+from regroup.etcd import ClientError, loop_threads
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, Record, ReformRequest
 from regroup.telemetry import read_spans
 from tests.trainer.harness import full_state, torchrun_argv, write_config
 from trainer.checkpoint import COMMIT_MARKER, list_steps, step_dir
+from trainer.config import EtcdConfig
+from trainer.control import JobChannel
 
 pytestmark = pytest.mark.slow
 
@@ -122,10 +124,7 @@ async def test_checkpoint_request_is_honoured_at_the_next_boundary_acked_held_an
         assert holding.step == ack.step
         assert holding.extra["checkpoint_saves"] == 2 and holding.extra["requests_honoured"] == 2
 
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)  # the agent stops its workers for the re-form
-        await asyncio.wait_for(proc.wait(), 30)
-        stopped_in = time.monotonic() - sent
+        stopped_in = await stop_the_workers(proc)  # the agent stops its workers for the re-form
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -177,7 +176,7 @@ async def sigterm_once(
     settle: Callable[[], Awaitable[object]] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
     """Run a 2-rank job until a log event satisfies ``until`` (then await ``settle``), send
-    the agent SIGTERM, and return how long the job took to stop and its log events."""
+    the agent SIGTERM, and return how long its workers took to stop and the log events."""
     proc = await asyncio.create_subprocess_exec(
         *torchrun_argv(2, config), env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
@@ -197,10 +196,7 @@ async def sigterm_once(
         await asyncio.wait_for(reached.wait(), 90)
         if settle is not None:
             await settle()
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 30)
-        stopped_in = time.monotonic() - sent
+        stopped_in = await stop_the_workers(proc)
         await asyncio.wait_for(reader, 10)
     finally:
         if proc.returncode is None:
@@ -285,6 +281,11 @@ async def _exited(pid: int) -> None:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
+    await _pidfd_exit(fd)
+
+
+async def _pidfd_exit(fd: int) -> None:
+    """Await the exit of the process behind ``fd`` (a pidfd, closed here)."""
     loop = asyncio.get_running_loop()
     gone = asyncio.Event()
     loop.add_reader(fd, gone.set)
@@ -293,6 +294,28 @@ async def _exited(pid: int) -> None:
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+
+
+async def stop_the_workers(agent: asyncio.subprocess.Process) -> float:
+    """Send the agent of a 2-rank job SIGTERM; seconds until both workers exited, which is
+    the stop under test. The agent's own exit after that (torchrun's teardown, seconds on
+    a busy machine) is awaited, but not timed."""
+    workers = _children(agent.pid)
+    assert len(workers) == 2, f"expected 2 workers under the agent, found {workers}"
+    fds: list[int] = []
+    try:
+        for pid in workers:
+            fds.append(os.pidfd_open(pid))  # before the signal: no pid can be reused meanwhile
+    except ProcessLookupError:
+        for fd in fds:
+            os.close(fd)
+        raise AssertionError(f"a worker of {workers} exited before the stop") from None
+    sent = time.monotonic()
+    agent.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(asyncio.gather(*(_pidfd_exit(fd) for fd in fds)), 30)
+    stopped_in = time.monotonic() - sent
+    await asyncio.wait_for(agent.wait(), 60)
+    return stopped_in
 
 
 async def test_workers_stop_by_themselves_when_their_agent_is_killed(
@@ -327,3 +350,29 @@ async def test_workers_stop_by_themselves_when_their_agent_is_killed(
                 pass
     final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
     assert final.extra["state"] == "stopped", "the orphaned workers stopped cleanly and said so"
+
+
+async def test_the_job_channel_follows_requests_and_leaves_no_loop_thread_behind(etcd: Any, etcd_client: Any) -> None:
+    keys = JobKeys("default", "job")
+
+    def progress(step: int) -> Progress:
+        return Progress(step=step, loss=1.0, samples_seen=step * 4, world_size=1, time=time.time())
+
+    mark = loop_threads.mark()
+    channel = JobChannel(EtcdConfig(endpoint=etcd.endpoint, job="job"))
+    await asyncio.to_thread(channel.start)
+    try:
+        assert channel.request() is None
+        request = CheckpointRequest(generation=1, deadline=time.time() + 60)
+        await etcd_client.put(keys.checkpoint.encode(), request.to_json())
+        async with asyncio.timeout(10):
+            while channel.request() != request:  # seen by the watch in the channel's own thread
+                await asyncio.sleep(0.05)
+        channel.publish_progress(progress(3))
+        await asyncio.to_thread(channel.publish_progress, progress(4), True)
+        assert Progress.from_json((await etcd_client.get(keys.progress.encode())).value).step == 4
+    finally:
+        await asyncio.to_thread(channel.close)
+    await asyncio.to_thread(channel.close)  # idempotent
+    channel.publish_progress(progress(5))  # closed: not written, not raised
+    assert loop_threads.open(since=mark) == [] and loop_threads.problems(since=mark) == []

@@ -1,0 +1,67 @@
+"""``control/excluded``: the job's nodes that are leaving, which no agent brings back.
+
+A node is excluded while it is under a reclaim notice or cordoned (a restart storm's
+cordon included), and while the job's pod on it carries ``DisruptionTarget=True``. Agents
+read the record and do not bring such a node back into the job, with or without a
+controller; an entry lifts with its taint, cordon or pod condition (or the node's
+deletion). Pure: ``decide`` calls it and applies the write it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from controller.disruption import PodNotice
+from controller.signals import ReclaimNotice, leaving_signal
+from controller.snapshot import JobSnapshot, WriteExclusions
+from regroup.records import Exclusions
+
+
+@dataclass(frozen=True)
+class LeavingNodes:
+    """What this decision found leaving."""
+
+    notices: Mapping[str, ReclaimNotice]
+    """node -> its reclaim notice (a taint, a cordon or its pod's disruption)."""
+    storm: Collection[str]
+    """Nodes under a restart storm."""
+    pods: Mapping[str, PodNotice]
+    """node -> the disruption notice of the job's pod there, terminating or not."""
+
+
+def exclusions_update(
+    s: JobSnapshot, reclaim_taints: Collection[str], leaving: LeavingNodes, now: float
+) -> WriteExclusions | None:
+    """The write that makes ``control/excluded`` equal to the leaving nodes; None when it is."""
+    wanted: dict[str, str] = {}
+    for node, notice in leaving.notices.items():
+        info = s.nodes.get(node)
+        why = leaving_signal(info, reclaim_taints) if info is not None else None
+        pod = leaving.pods.get(node)
+        if why is None and pod is not None and pod.notice is notice:
+            why = pod.why
+        wanted[node] = why or f"reclaim notice ({notice.source})"
+    for node in leaving.storm:
+        wanted.setdefault(node, "restart storm")
+    for node, pod in leaving.pods.items():
+        wanted.setdefault(node, pod.why)  # until the condition goes or the pod is replaced
+    old = s.exclusions.nodes if s.exclusions is not None else {}
+    for node, why in old.items():
+        if node in wanted:
+            continue
+        if not s.pods_synced:
+            wanted[node] = why  # a pod's condition is not known gone yet
+            continue
+        info = s.nodes.get(node)
+        if info is None:
+            if not s.nodes_synced:
+                wanted[node] = why  # not known gone yet
+            continue  # deleted: nothing left to exclude
+        if leaving_signal(info, reclaim_taints) is not None:
+            wanted[node] = why  # still leaving (NotReady as well, say)
+    # A node only picks up a new reason when it is newly excluded: no write per decision.
+    wanted = {n: old.get(n, why) for n, why in wanted.items()}
+    if wanted == old:
+        return None
+    return WriteExclusions(Exclusions(nodes=dict(sorted(wanted.items())), updated_at=now))

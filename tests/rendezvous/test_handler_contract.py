@@ -1,0 +1,71 @@
+"""The handler contract torch defines (``set_closed``, ``is_closed``, ``shutdown``), where a
+node that leaves alone does not end the job, and one node name per live agent."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+
+from regroup.etcd_server import EtcdServer
+from rendezvous.agent import DuplicateNode
+from tests.rendezvous.agents import wait_until
+from tests.rendezvous.test_handler import Agents, agents  # noqa: F401 - the fixture
+
+__all__ = ["agents"]
+
+
+def test_set_closed_before_any_round_closes_the_run_for_every_later_agent(agents: Agents) -> None:
+    first = agents.make("n0", (1, 2))
+    assert not first.is_closed()
+    first.set_closed()
+    first.set_closed()  # idempotent
+    assert first.is_closed()
+    # A pod restarted after the job ended is told so, and starts no round.
+    late = agents.make("n1", (1, 2))
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
+
+
+def test_shutdown_of_a_member_closes_the_run_and_a_finished_node_is_not_a_lost_one(agents: Agents) -> None:
+    a, b = agents.make("n0", (1, 2)), agents.make("n1", (1, 2))
+    [f.result(20) for f in agents.join(a, b)]
+    # n0's workers finished first and its agent shuts down (the drift case): the run is over,
+    # so n1 keeps running its workers instead of re-forming around a "lost" n0.
+    assert a.shutdown() is True and a.shutdown() is True
+    wait_until(b.is_closed, 10, "n1 to see the run closed")
+    assert b.num_nodes_waiting() == 0
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+
+
+def test_a_joiner_that_gives_up_leaves_alone_and_the_job_runs_on(agents: Agents) -> None:
+    a, b = agents.make("n0", (1, 2)), agents.make("n1", (1, 2))
+    [f.result(20) for f in agents.join(a, b)]
+    extra = agents.make("n2", (1, 2), join_timeout="0.5")
+    with pytest.raises(RendezvousError):
+        extra.next_rendezvous()  # the job is at max: no round for n2 within its timeout
+    assert extra.shutdown() is True
+    assert not a.is_closed() and not b.is_closed()
+
+
+def test_shutdown_says_false_when_etcd_cannot_record_it(agents: Agents, etcd: EtcdServer) -> None:
+    a = agents.make("n0", (1, 1), close_timeout="1")
+    agents.join(a)[0].result(20)
+    etcd.kill()
+    started = time.monotonic()
+    assert a.shutdown() is False
+    assert time.monotonic() - started < 10
+
+
+def test_a_second_live_agent_under_a_node_name_is_refused_naming_the_pod(agents: Agents) -> None:
+    a = agents.make("n0", (1, 2))
+    agents.join(a)[0].result(20)
+    twin = agents.make("n0", (1, 2), pod="pod-twin")
+    with pytest.raises(DuplicateNode, match=r"node name 'n0' is held by the live agent of pod pod-n0"):
+        twin.next_rendezvous()
+    assert twin.shutdown() is True and not a.is_closed(), "a refused agent does not close the job"
+    # The same pod's next agent (its container restarted) takes the name over at once.
+    again = agents.make("n0", (1, 2))
+    assert agents.join(again)[0].result(20).world_size == 1
