@@ -254,19 +254,20 @@ class LeaseKeeper:
                     await result
             return
 
-    async def stop(self, revoke: bool = True) -> None:
+    async def stop(self, revoke: bool = True) -> bool:
+        """Stop renewing; with ``revoke``, end the lease now (its keys go at once). False when
+        etcd could not be told: the lease then expires on its own within its TTL."""
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait([self._task])
             self._task = None
         if revoke and self.lease is not None:
             try:
                 await self.lease.revoke()
-            except (aetcd.exceptions.ClientError, grpc.RpcError, OSError):
-                pass  # it expires on its own
+            except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as exc:
+                log.info("lease not revoked; it expires on its own", lease=self.id, error=str(exc))
+                return False
+        return True
 
 
 @dataclass(frozen=True)

@@ -181,17 +181,20 @@ class AgentKeys:
                     "agents on one host"
                 )
 
-    async def leave(self) -> None:
-        """Delete this agent's keys (revoking the lease removes them all at once)."""
+    async def leave(self) -> bool:
+        """Delete this agent's keys (revoking the lease removes them all at once); False when
+        etcd could not be told (they then vanish with the lease's TTL)."""
         for task in (self._renewal, self._member_update):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._renewal = self._member_update = None
+        left = True
         if self._keeper is not None:
             keeper, self._keeper = self._keeper, None
-            await keeper.stop(revoke=True)
+            left = await keeper.stop(revoke=True)
         self._leased.clear()
+        return left
 
     # -- internals ---------------------------------------------------------------------
 

@@ -351,10 +351,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return waiting
 
     def shutdown(self) -> bool:
-        """Leave the rendezvous; close the run too (torch's contract: the job is over) unless
-        this agent leaves alone: left out or excluded by the controller, refused at start, or
-        never part of the job's current round (a joiner that gave up). Returns False when
-        etcd could not record it (the lease still expires within ``lease_ttl``)."""
+        """Leave the rendezvous; close the run too when the job is over: this agent's
+        workers succeeded (it entered torchrun's exit barrier), or no round ever formed.
+        Otherwise it leaves alone (left out or excluded, refused at start, a joiner that gave
+        up, or a failure) and the others re-form without it. Returns False when etcd could
+        not record it (the lease still expires within ``lease_ttl``)."""
         with self._shutdown_lock:  # a second caller waits for the first one's answer
             if self._shutdown_result is None:
                 self._shutdown_result = self._shutdown()
@@ -363,18 +364,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _shutdown(self) -> bool:
         ok = True
         state = self.view.state
-        close = not self._alone and (state is None or state.round == 0 or self._keys.me.agent in state.agents)
+        finished = self._store is not None and getattr(self._store, "exit_barrier_entered", False)
+        # Only a job that is over is closed: this agent's workers succeeded, or no round ever
+        # formed. An agent that fails (its workers past --max-restarts, a store timeout) leaves
+        # alone: closing would end an elastic job for every survivor and every later pod.
+        close = not self._alone and (finished or state is None or state.round == 0)
         try:
             if close and not self.is_closed():
                 self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
                 log.info("rendezvous closed: the job is over", job=self._settings.job.job, node=self.node)
             elif not close:
-                log.info("leaving the job alone; the run stays open", node=self.node, why=self._alone or "not in the round")
+                log.info("leaving the job alone; the run stays open", node=self.node, why=self._alone or "its workers did not finish")
         except (TimeoutError, *ETCD_ERRORS) as exc:
             ok = False
             log.warning("closing the rendezvous failed", node=self.node, error=str(exc))
         try:
-            self._shared.loop.run(self._keys.leave(), self._settings.timeouts.close)
+            ok = self._shared.loop.run(self._keys.leave(), self._settings.timeouts.close) and ok
         except (TimeoutError, *ETCD_ERRORS) as exc:
             ok = False
             log.warning("leaving the rendezvous failed; the lease will expire", node=self.node, error=str(exc))

@@ -24,6 +24,10 @@ from regroup.etcd import LoopThread
 from rendezvous.connection import JobConnection
 
 
+EXIT_BARRIER = "torchelastic/agent/terminal_state"
+"""Key prefix of torchrun's exit barrier, which an agent enters only once its workers succeeded."""
+
+
 def round_prefix(rdzv_prefix: str, round: int) -> str:
     """Keys of round ``round``'s store; zero-padded so rounds sort by number."""
     return f"{rdzv_prefix}rounds/{round:010d}/"
@@ -51,6 +55,8 @@ class RoundStore(dist.Store):
         self._conn = connection
         self._prefix = prefix
         self._abandoned = abandoned
+        self.exit_barrier_entered = False
+        """This agent entered torchrun's exit barrier: its workers finished successfully."""
         self.set_timeout(timeout)
 
     # -- c10d Store API (called from torchrun's agent thread) ----------------------------------
@@ -65,6 +71,8 @@ class RoundStore(dist.Store):
         return values[0]
 
     def add(self, key: str, amount: int) -> int:
+        if key.startswith(EXIT_BARRIER):
+            self.exit_barrier_entered = True
         return int(self._run(self._add(key, int(amount))))
 
     def check(self, keys: list[str]) -> bool:

@@ -30,14 +30,26 @@ def test_set_closed_before_any_round_closes_the_run_for_every_later_agent(agents
 
 def test_shutdown_of_a_member_closes_the_run_and_a_finished_node_is_not_a_lost_one(agents: Agents) -> None:
     a, b = agents.make("n0", (1, 2)), agents.make("n1", (1, 2))
-    [f.result(20) for f in agents.join(a, b)]
-    # n0's workers finished first and its agent shuts down (the drift case): the run is over,
-    # so n1 keeps running its workers instead of re-forming around a "lost" n0.
+    infos = [f.result(20) for f in agents.join(a, b)]
+    # n0's workers finished first: its agent enters torchrun's exit barrier (nobody waits
+    # there for long: the drift case) and shuts down. The run is over, so n1 keeps running
+    # its workers instead of re-forming around a "lost" n0.
+    infos[0].store.add("torchelastic/agent/terminal_state0", 1)
     assert a.shutdown() is True and a.shutdown() is True
     wait_until(b.is_closed, 10, "n1 to see the run closed")
     assert b.num_nodes_waiting() == 0
     with pytest.raises(RendezvousClosedError):
         b.next_rendezvous()
+
+
+def test_a_member_that_fails_leaves_alone_and_the_others_re_form(agents: Agents) -> None:
+    a, b = agents.make("n0", (1, 2)), agents.make("n1", (1, 2))
+    [f.result(20) for f in agents.join(a, b)]
+    # n0's agent gives up (its workers past --max-restarts, or a store timeout): the job is
+    # elastic, so the run stays open and n1 re-forms alone.
+    assert a.shutdown() is True and not b.is_closed()
+    wait_until(lambda: b.num_nodes_waiting() > 0, 10, "n1 to see n0 gone")
+    assert agents.join(b)[0].result(20).world_size == 1
 
 
 def test_a_joiner_that_gives_up_leaves_alone_and_the_job_runs_on(agents: Agents) -> None:
@@ -52,7 +64,8 @@ def test_a_joiner_that_gives_up_leaves_alone_and_the_job_runs_on(agents: Agents)
 
 def test_shutdown_says_false_when_etcd_cannot_record_it(agents: Agents, etcd: EtcdServer) -> None:
     a = agents.make("n0", (1, 1), close_timeout="1")
-    agents.join(a)[0].result(20)
+    info = agents.join(a)[0].result(20)
+    info.store.add("torchelastic/agent/terminal_state0", 1)  # its workers finished: close the run
     etcd.kill()
     started = time.monotonic()
     assert a.shutdown() is False

@@ -672,6 +672,12 @@ SCENARIOS = [
 ]
 
 NOT_APPLICABLE = {
+    "shutdown": (
+        "by design etcd-v3's shutdown() closes the run only once the job is over: the agent's "
+        "workers succeeded (it entered torchrun's exit barrier, as in the drift scenarios) or no "
+        "round formed; an agent that fails leaves alone and the others re-form, where c10d's "
+        "closing would end the elastic job for every survivor and every later pod"
+    ),
     "lost-queries": (
         "by design etcd-v3 answers both from its watch's view of the job, without a request, so "
         "training rides out an etcd restart (see Failure behaviour); c10d's agents, whose monitor "
