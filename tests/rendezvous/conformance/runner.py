@@ -32,6 +32,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from regroup.etcd_server import EtcdServer, free_port
+from tests.rendezvous.agents import wait_until
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -46,18 +47,6 @@ C10D_CONF = {**COMMON_CONF, "read_timeout": "5", "keep_alive_interval": "1", "ke
 ETCD_V3_CONF = {**COMMON_CONF, "lease_ttl": "2"}
 # Variables of the launching environment that would change what an agent does.
 _DROPPED_ENV = ("NODE_NAME", "POD_NAME", "POD_NAMESPACE", "TORCHELASTIC_", "PET_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 def holds_for(predicate: Callable[[], Any], seconds: float, interval: float = 0.05) -> bool:
