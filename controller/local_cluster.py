@@ -35,7 +35,7 @@ from typing import Literal
 
 import structlog
 
-from controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodInfo, Taint
+from controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodDisruption, PodInfo, Taint
 
 log = structlog.get_logger("regroup.local_cluster")
 
@@ -310,6 +310,31 @@ class LocalCluster:
                 await self.remove_node(name, reason="reclaimed")
 
         self._own(asyncio.create_task(expire(), name=f"reclaim-{name}"))
+
+    async def disruption_notice(
+        self, name: str, notice: timedelta, reason: str = "EvictionByEvictionAPI"
+    ) -> None:
+        """Kubernetes is about to evict the node's pod: it gets ``DisruptionTarget=True``
+        with ``notice`` as its grace period; after ``notice`` the node dies as ``remove_node``
+        kills it."""
+        pod = next((p for p in self._pods.values() if p.info.node == name), None)
+        if pod is None:
+            raise ValueError(f"no pod on node {name!r}")
+        pod.info = replace(pod.info, disruption=PodDisruption(reason, time.time(), notice.total_seconds()))
+        self._publish("pod", pod.info)
+        self._record(
+            ClusterEvent(
+                time.time(), "Pod", pod.info.name, "Warning", "DisruptionTarget",
+                f"{reason}: pod goes away in {notice.total_seconds():.0f}s", "cluster",
+            )
+        )  # fmt: skip
+
+        async def expire() -> None:
+            await asyncio.sleep(notice.total_seconds())
+            if name in self._nodes:
+                await self.remove_node(name, reason="evicted")
+
+        self._own(asyncio.create_task(expire(), name=f"evict-{name}"))
 
     async def remove_node(self, name: str, reason: str = "lost") -> None:
         """The node vanishes: everything on it is SIGKILLed, then it and its pod are gone."""

@@ -216,6 +216,9 @@ async def _play(run: _Run, events: tuple[ChurnEvent, ...]) -> None:
             if event.action == "reclaim":
                 if run.cluster.node(node) is not None:
                     await run.cluster.reclaim_notice(node, event.taint, event.notice)
+            elif event.action == "evict":
+                if run.cluster.node(node) is not None:
+                    await run.cluster.disruption_notice(node, event.notice)
             elif event.action == "lose":
                 if run.cluster.node(node) is not None:
                     run.gone.add(node)

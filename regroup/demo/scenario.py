@@ -18,8 +18,8 @@ import yaml
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
 DEFAULT_RECLAIM_TAINT = "aws-node-termination-handler/spot-itn"
 
-Action = Literal["reclaim", "lose", "restore", "flaky"]
-ACTIONS: tuple[str, ...] = ("reclaim", "lose", "restore", "flaky")
+Action = Literal["reclaim", "evict", "lose", "restore", "flaky"]
+ACTIONS: tuple[str, ...] = ("reclaim", "evict", "lose", "restore", "flaky")
 
 
 class ScenarioError(ValueError):
@@ -34,13 +34,15 @@ class ChurnEvent:
     """When, from the first training step; an event also waits (up to a minute) for the
     previous one's re-form to finish, so each event's cost is measured on its own."""
     action: Action
-    """``reclaim``: a reclaim taint with a notice, then the node is killed; ``lose``: the
+    """``reclaim``: a reclaim taint with a notice, then the node is killed; ``evict``: the
+    node's pod gets ``DisruptionTarget=True`` with the notice as its grace period (an
+    eviction or preemption), then the node is killed; ``lose``: the
     node and everything on it is SIGKILLed; ``restore``: lost nodes come back with a new
     agent; ``flaky``: the node's rank starts crashing every ``crash_after_steps`` steps."""
     nodes: tuple[str, ...]
     """The nodes it happens to."""
     notice: timedelta = timedelta(0)
-    """``reclaim`` only: how long between the taint and the node's death."""
+    """``reclaim`` and ``evict``: how long between the notice and the node's death."""
     taint: str = DEFAULT_RECLAIM_TAINT
     """``reclaim`` only: the taint key the reclaim notice carries."""
     crash_after_steps: int = 0
@@ -51,6 +53,8 @@ class ChurnEvent:
         who = ", ".join(self.nodes)
         if self.action == "reclaim":
             return f"reclaim notice on {who} ({self.notice.total_seconds():.0f}s, {self.taint})"
+        if self.action == "evict":
+            return f"eviction of {who}'s pod (DisruptionTarget, {self.notice.total_seconds():.0f}s grace)"
         if self.action == "lose":
             return f"abrupt loss of {who}"
         if self.action == "restore":
@@ -202,7 +206,7 @@ def _parse_event(body: Any, where: str, known_nodes: tuple[str, ...]) -> ChurnEv
     if action not in ACTIONS:
         raise ScenarioError(f"{where}.action: expected one of {', '.join(ACTIONS)}, got {action!r}")
     allowed = {"at", "action", "node", "nodes"}
-    allowed |= {"reclaim": {"notice", "taint"}, "flaky": {"crash_after_steps"}}.get(action, set())
+    allowed |= {"reclaim": {"notice", "taint"}, "evict": {"notice"}, "flaky": {"crash_after_steps"}}.get(action, set())
     _check_keys(body, allowed, where)
     if "at" not in body:
         raise ScenarioError(f"{where}.at: required")
@@ -230,6 +234,10 @@ def _parse_event(body: Any, where: str, known_nodes: tuple[str, ...]) -> ChurnEv
             notice=parse_duration(body["notice"], f"{where}.notice"),
             taint=_str(body.get("taint", DEFAULT_RECLAIM_TAINT), f"{where}.taint"),
         )
+    if action == "evict":
+        if "notice" not in body:
+            raise ScenarioError(f"{where}.notice: required for an eviction (the pod's grace period)")
+        event = replace(event, notice=parse_duration(body["notice"], f"{where}.notice"))
     if action == "flaky":
         if "crash_after_steps" not in body:
             raise ScenarioError(f"{where}.crash_after_steps: required for a flaky node")

@@ -47,6 +47,13 @@ def test_events_are_sorted_and_durations_parsed() -> None:
     assert s.next_event(timedelta(seconds=31)) is None
 
 
+def test_an_eviction_is_a_pod_disruption_with_its_grace_period() -> None:
+    s = parse_scenario({**GOOD, "events": [{"at": "5s", "action": "evict", "node": "node-2", "notice": "20s"}]})
+    [event] = s.events
+    assert event.action == "evict" and event.notice == timedelta(seconds=20)
+    assert event.describe() == "eviction of node-2's pod (DisruptionTarget, 20s grace)"
+
+
 @pytest.mark.parametrize(
     ("patch", "field"),
     [
@@ -63,6 +70,8 @@ def test_events_are_sorted_and_durations_parsed() -> None:
         ({"events": [{"at": "5s", "action": "reclaim", "node": "node-1", "notice": "x"}]}, "events[0].notice"),
         ({"events": [{"action": "lose", "node": "node-1"}]}, "events[0].at"),
         ({"events": [{"at": "5s", "action": "flaky", "node": "node-1"}]}, "events[0].crash_after_steps"),
+        ({"events": [{"at": "5s", "action": "evict", "node": "node-1"}]}, "events[0].notice"),
+        ({"events": [{"at": "5s", "action": "evict", "node": "node-1", "notice": "5s", "taint": "x"}]}, "events[0].taint"),
         ({"events": [{"at": "5s", "action": "lose", "node": "node-1", "notice": "3s"}]}, "events[0].notice"),
         ({"events": [{"at": "5s", "action": "restore", "nodes": []}]}, "events[0].nodes"),
         ({"speed": 3}, "speed"),
