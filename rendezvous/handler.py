@@ -93,8 +93,8 @@ class Shared:
     def close(self) -> None:
         try:
             self.loop.run(self.connection.close(), timedelta(seconds=5))
-        except (TimeoutError, *ETCD_ERRORS):
-            pass
+        except (TimeoutError, *ETCD_ERRORS) as exc:
+            log.info("etcd connection not closed cleanly; dropping it", error=str(exc))
         self.loop.close()
 
 
