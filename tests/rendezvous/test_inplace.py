@@ -44,6 +44,9 @@ def job_without_snapshots(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str
 
 
 def _start(job: InPlaceJob, nodes: list[str], **kwargs: object) -> dict[str, list[int]]:
+    # The first round holds exactly these nodes, however far apart their agents start on a
+    # busy machine (generation 0: the tests' own re-forms count from 1).
+    job.expect(0, nodes, "start")
     for node in nodes:
         job.start(node, **kwargs)  # type: ignore[arg-type]
     job.await_progress(f"{len(nodes)} ranks training", lambda p: p.world_size == len(nodes) and p.step >= 3)
