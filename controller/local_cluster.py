@@ -303,13 +303,7 @@ class LocalCluster:
                 f"{taint_key}: node goes away in {notice.total_seconds():.0f}s", "cluster",
             )
         )  # fmt: skip
-
-        async def expire() -> None:
-            await asyncio.sleep(notice.total_seconds())
-            if name in self._nodes:
-                await self.remove_node(name, reason="reclaimed")
-
-        self._own(asyncio.create_task(expire(), name=f"reclaim-{name}"))
+        self._die_after(name, notice, "reclaimed")
 
     async def disruption_notice(
         self, name: str, notice: timedelta, reason: str = "EvictionByEvictionAPI"
@@ -328,13 +322,17 @@ class LocalCluster:
                 f"{reason}: pod goes away in {notice.total_seconds():.0f}s", "cluster",
             )
         )  # fmt: skip
+        self._die_after(name, notice, "evicted")
+
+    def _die_after(self, name: str, notice: timedelta, reason: str) -> None:
+        """The end of a notice: the node dies as ``remove_node`` kills it (if still there)."""
 
         async def expire() -> None:
             await asyncio.sleep(notice.total_seconds())
             if name in self._nodes:
-                await self.remove_node(name, reason="evicted")
+                await self.remove_node(name, reason=reason)
 
-        self._own(asyncio.create_task(expire(), name=f"evict-{name}"))
+        self._own(asyncio.create_task(expire(), name=f"{reason}-{name}"))
 
     async def remove_node(self, name: str, reason: str = "lost") -> None:
         """The node vanishes: everything on it is SIGKILLed, then it and its pod are gone."""

@@ -111,7 +111,7 @@ def test_loop_thread_records_what_no_caller_was_told_and_is_listed_until_closed(
             try:
                 await asyncio.sleep(60)
             except asyncio.CancelledError:
-                pass
+                continue  # deliberately deaf to cancellation: what close() must report
 
     async def raises_when_cancelled() -> None:
         try:

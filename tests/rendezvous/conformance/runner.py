@@ -14,6 +14,7 @@ agents on one host with no per-agent environment.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -221,25 +222,28 @@ class Server:
         self.stop()
 
 
-class Backend:
+class Backend(abc.ABC):
+    """One rendezvous backend under test: how its handlers and agents are configured."""
+
     name = ""
     isolate_handlers = False
     """Run the in-process scenarios in a child process instead of the test's (see ``EtcdV3``)."""
 
+    @abc.abstractmethod
     def endpoint(self, run: Run) -> str:
-        raise NotImplementedError
+        """``--rdzv-endpoint`` of the run."""
 
+    @abc.abstractmethod
     def conf(self, run: Run, index: int, host: bool) -> dict[str, str]:
         """``--rdzv-conf`` of the ``index``-th handler of a run (``host``: c10d's store host)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def cli_conf(self, run: Run, host: bool) -> dict[str, str]:
         """``--rdzv-conf`` of an agent."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def server(self, run: Run) -> Server:
         """A rendezvous endpoint of the run's own."""
-        raise NotImplementedError
 
 
 class C10d(Backend):

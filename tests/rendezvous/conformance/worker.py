@@ -65,6 +65,37 @@ def joined(out: Path, rank: int, world: int) -> None:
     tmp.rename(out / "meshed" / str(os.getpid()))
 
 
+def _accept_peer(conn: socket.socket, world: int) -> bool:
+    """Rank 0's side: the connecting worker says hello for this world; False for any other."""
+    try:
+        conn.settimeout(2.0)
+        hello = json.loads(conn.recv(256) or b"{}")
+        if hello.get("world") != world:
+            return False
+        conn.sendall(b"ok")
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _connect_to_rank0(out: Path, rank: int, world: int) -> socket.socket | None:
+    """The other ranks' side: None while rank 0 of this round is not up yet."""
+    try:
+        spot = json.loads((out / "mesh.json").read_text())
+        conn = socket.create_connection(("127.0.0.1", spot["port"]), timeout=1.0)
+        conn.sendall(json.dumps({"rank": rank, "world": world}).encode())
+    except (OSError, ValueError, KeyError):
+        return None
+    try:
+        welcomed = conn.recv(2) == b"ok"
+    except OSError:
+        welcomed = False
+    if welcomed:
+        return conn
+    conn.close()
+    return None
+
+
 def mesh(out: Path, rank: int, world: int, deadline: float) -> int:
     """Hold the round together; 0 on STOP, 1 when a peer of the round is gone."""
     if world == 1:
@@ -86,31 +117,18 @@ def mesh(out: Path, rank: int, world: int, deadline: float) -> int:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
-            try:
-                conn.settimeout(2.0)
-                hello = json.loads(conn.recv(256) or b"{}")
-                if hello.get("world") == world:
-                    conn.sendall(b"ok")
-                    peers.append(conn)
-                    continue
-            except (OSError, ValueError):
-                pass
-            conn.close()  # a worker of another round, or one gone already
+            if _accept_peer(conn, world):
+                peers.append(conn)
+            else:
+                conn.close()  # a worker of another round, or one gone already
     else:
         while not peers:
             if time.time() > deadline or stopped(out):
                 return 0 if stopped(out) else 3
-            try:
-                spot = json.loads((out / "mesh.json").read_text())
-                conn = socket.create_connection(("127.0.0.1", spot["port"]), timeout=1.0)
-                conn.sendall(json.dumps({"rank": rank, "world": world}).encode())
-                if conn.recv(2) == b"ok":
-                    peers.append(conn)
-                else:
-                    conn.close()
-            except (OSError, ValueError, KeyError):
-                pass
-            if not peers:
+            conn = _connect_to_rank0(out, rank, world)
+            if conn is not None:
+                peers.append(conn)
+            else:
                 time.sleep(0.1)  # rank 0 of this round is not up yet
     joined(out, rank, world)
     for conn in peers:
