@@ -153,13 +153,25 @@ def round_abandoned(view: JobView, round: int) -> str:
     gone = [node for node, agent in zip(state.nodes, state.agents) if agent not in alive]
     if gone:
         return f"agents of round {round} gone: {_names(gone)}"
+    # An agent that asks for a later round will not take part in this one: it stepped out
+    # (its workers are being restarted) after the round closed with it.
+    moved_on = [
+        node for node, agent in zip(state.nodes, state.agents)
+        if (j := view.joins.get(node)) is not None and j.agent == agent and j.round > round
+    ]
+    if moved_on:
+        return f"agents of round {round} moved on to a later round: {_names(moved_on)}"
     return ""
 
 
-def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds: Bounds) -> JoinStep:
+def plan_join(
+    view: JobView, me: Me, joined_for: int | None, now: float, bounds: Bounds, seat: int | None = None
+) -> JoinStep:
     """Next step of an agent inside ``next_rendezvous``.
 
     ``joined_for`` is the round this agent's join record asks for (None before it wrote one).
+    ``seat``: the round the join record it left when stepping out asked for; if that round
+    closed with this agent in it, the agent takes its place (its peers wait for it there).
     """
     state = view.state
     current = state.round if state else 0
@@ -176,6 +188,10 @@ def plan_join(view: JobView, me: Me, joined_for: int | None, now: float, bounds:
                 )
         if me.agent in state.excluded:
             return Excluded(f"left out of round {current}: {state.reason}")
+        if seat is not None and current == seat and me.node not in view.excluded:
+            rank = state.rank_of(me.agent)
+            if rank is not None:
+                return Done(current, rank, len(state.agents))
         if joined_for is not None and current >= joined_for:
             rank = state.rank_of(me.agent)
             if rank is not None and current == joined_for:

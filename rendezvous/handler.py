@@ -132,6 +132,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._traceparent = ""
         self._probation: timedelta | None = None
         self._stepped_out: bool | None = None
+        self._seat: int | None = None
+        """The round this agent's step-out join asked for: its place if that round counts it."""
         self._alone = ""
         """Why this agent leaves the job on its own (left out, excluded, refused): then
         ``shutdown`` does not close the run for the others."""
@@ -201,8 +203,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys.not_before = time.time() + _STEPPED_OUT_S
         self._update_member()
         state = self.view.state
+        self._seat = (state.round if state else 0) + 1
         try:
-            self._shared.loop.run(self._keys.put_join((state.round if state else 0) + 1), self._settings.timeouts.close)
+            self._shared.loop.run(self._keys.put_join(self._seat), self._settings.timeouts.close)
         except (TimeoutError, RuntimeError, *ETCD_ERRORS) as exc:
             log.warning("could not step out of the round; the others notice through the workers", error=str(exc))
 
@@ -405,13 +408,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         while True:
             try:
                 version = watch.version
-                step = plan_join(watch.view, self._keys.me, joined_for, time.time(), self._bounds)
+                step = plan_join(watch.view, self._keys.me, joined_for, time.time(), self._bounds, seat=self._seat)
                 self._note(step)
                 if isinstance(step, Done):
+                    self._seat = None
                     self._round = step.round
                     self._keys.update_member_soon(step.round, self._restart_count)
                     return step.round, step.rank, step.world_size
                 if isinstance(step, PutJoin):
+                    self._seat = None  # the new record replaces the one left when stepping out
                     if self._keys.registered:
                         revision = await self._keys.put_join(step.round)
                     else:

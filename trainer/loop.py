@@ -51,7 +51,7 @@ from trainer.handoff import hand_off
 from trainer.reshard import HeldState, hold_state, redistribute
 from trainer.snapshot import Snapshots
 from trainer.world_change import WorldChange
-from rendezvous.inplace.world import Interrupted, ReformFailed
+from rendezvous.inplace.world import Interrupted, Membership, ReformFailed
 
 if TYPE_CHECKING:
     from rendezvous.inplace.world import ElasticWorld
@@ -609,23 +609,24 @@ class TrainingRun:
             self.world.leave()
             self.stop.wait(self.world.timeout.total_seconds())
             return False
-        self.change = WorldChange(mode="in-place")
-        try:
-            membership = self.world.rejoin(stop=lambda: self.stop.requested, timeout=self.cfg.reform.wait)
-        except ReformFailed:
-            if self.stop.requested:
-                return False
-            raise
-        started = time.perf_counter()
-        structlog.contextvars.bind_contextvars(rank=membership.rank)
-        runtime = runtime_on_default_group(self.rt.local_rank, self.rt.device, self.world.timeout)
-        self.change.add("process_group", self.world.last_process_group_s + time.perf_counter() - started)
-        self.change.traceparent = membership.traceparent
-        if self._sample_log is not None:
-            self._sample_log.close()
-        self._attach(runtime, None)
-        self.resumed_from = 0
-        self.resume(held)
+        while True:
+            self.change = WorldChange(mode="in-place")
+            try:
+                membership = self.world.rejoin(stop=lambda: self.stop.requested, timeout=self.cfg.reform.wait)
+            except ReformFailed:
+                if self.stop.requested:
+                    return False
+                raise
+            try:
+                runtime = self._restore_in(membership, held)
+                break
+            except Exception as exc:
+                # The new world lost a member before it trained (its collectives failed): the
+                # state held in memory is intact, so form the next world with it.
+                if not self.world.interrupted(exc):
+                    raise
+                log.warning("the new world failed while restoring; forming the next one", round=membership.round,
+                            why=str(exc)[:200])
         del held
         if not {"reshard", "load"} & set(self.change.phases) and self.state.step:
             # Nothing in memory or committed to restore: start over, as a restarted job would.
@@ -639,6 +640,21 @@ class TrainingRun:
             phases=self.change.phases,
         )
         return True
+
+    def _restore_in(self, membership: Membership, held: list[HeldState]) -> Runtime:
+        """Build this rank's part of the world just formed and restore the state into it."""
+        assert self.world is not None
+        started = time.perf_counter()
+        structlog.contextvars.bind_contextvars(rank=membership.rank)
+        runtime = runtime_on_default_group(self.rt.local_rank, self.rt.device, self.world.timeout)
+        self.change.add("process_group", self.world.last_process_group_s + time.perf_counter() - started)
+        self.change.traceparent = membership.traceparent
+        if self._sample_log is not None:
+            self._sample_log.close()
+        self._attach(runtime, None)
+        self.resumed_from = 0
+        self.resume(held)
+        return runtime
 
     def _hold(self, clean: bool) -> tuple[list[HeldState], bool]:
         """At an agreed boundary: keep this rank's shards, and take part in the hand-off of

@@ -69,6 +69,7 @@ def sever_connections(baseline: set[str], keep_ports: Iterable[int] = ()) -> int
 def abort_groups() -> None:
     """Abort every process group of this process (NCCL: ``ncclCommAbort``), then forget them."""
     if not dist.is_initialized():
+        forget_failed_formation()
         return
     try:
         dist.distributed_c10d._abort_process_group(dist.group.WORLD)
@@ -76,3 +77,14 @@ def abort_groups() -> None:
         log.warning("process group abort failed; destroying it", error=str(exc))
         with contextlib.suppress(RuntimeError, ValueError, AssertionError):
             dist.destroy_process_group()
+
+
+def forget_failed_formation() -> None:
+    """Undo what a failed ``init_process_group`` left behind, so the process can form a world
+    again. torch 2.13 names the default group after a counter it bumps before connecting and
+    resets only in ``destroy_process_group``, which a group that never formed cannot reach:
+    the next group would be named "1" while the peers name theirs "0", and their stores'
+    prefixes would never meet."""
+    if dist.is_initialized():
+        return
+    dist.distributed_c10d._world.group_count = 0

@@ -42,7 +42,7 @@ import structlog
 import torch.distributed as dist
 
 from regroup.failures import PEER, failure_kind
-from rendezvous.inplace.abort import abort_groups, sever_connections, socket_inodes
+from rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
 from rendezvous.inplace.channel import (
     CHANNEL_ENV,
     STANDBY_ENV,
@@ -150,10 +150,7 @@ class ElasticWorld:
         if world.in_place:
             world._watcher = threading.Thread(target=world._watch, name="inplace-watch", daemon=True)
             world._watcher.start()
-        try:
-            world._form(world._first_membership(stop), stop)
-        except Superseded as exc:
-            raise ReformFailed(str(exc)) from exc
+        world._form_newest(world._first_membership(stop), stop, world.timeout)
         return world
 
     @property
@@ -221,23 +218,19 @@ class ElasticWorld:
     def rejoin(self, stop: Callable[[], bool] = lambda: False, timeout: timedelta | None = None) -> Membership:
         """Wait for the agent to hand out the next world and form it; the new membership.
 
-        Raises ``ReformFailed`` when no world comes within ``timeout`` (default: the
-        world's timeout), when ``stop()`` turns true while waiting, or when the world is
-        superseded while it forms (a member vanished): the worker then exits and its agent
-        restarts it."""
+        A world superseded while it forms (a member vanished, or a restarted node came
+        back) is dropped and the newer one formed, in the same process. Raises
+        ``ReformFailed`` when no world comes within ``timeout`` (default: the world's
+        timeout), when ``stop()`` turns true while waiting, or when this node is left out
+        while forming: the worker then exits and its agent takes over."""
         if not self.in_place:
             raise ReformFailed("not started by an in-place agent (regroup-run)")
         self.leave()
         old = self.round
         self._report("waiting", old)
-        membership = self._await_world(lambda w: not w.pending and w.round > old, stop, timeout or self.timeout)
-        try:
-            self._form(membership, stop)
-        except Superseded as exc:
-            # A half-formed default group cannot be formed again reliably in the same
-            # process: take the restart path (the agent restarts this worker).
-            raise ReformFailed(str(exc)) from exc
-        return membership
+        limit = timeout or self.timeout
+        membership = self._await_world(lambda w: not w.pending and w.round > old, stop, limit)
+        return self._form_newest(membership, stop, limit)
 
     def close(self) -> None:
         self._stop_watch.set()
@@ -273,12 +266,22 @@ class ElasticWorld:
         )
 
     def _await_world(
-        self, ready: Callable[[NodeWorld], bool], stop: Callable[[], bool], timeout: timedelta
+        self,
+        ready: Callable[[NodeWorld], bool],
+        stop: Callable[[], bool],
+        timeout: timedelta,
+        leaving_fails: bool = False,
     ) -> Membership:
+        """The first world from the agent that is ``ready``. ``leaving_fails``: an
+        announcement that this node leaves the job ends the wait with ``ReformFailed`` (no
+        world will come for it; its agent ends it)."""
         assert self._file is not None
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             world = self._file.poll()
+            if leaving_fails and world is not None and world.pending and world.leaving:
+                self._report("leaving", self.round)
+                raise ReformFailed("this node leaves the job")
             if world is not None and ready(world):
                 slot = world.slot(self.local_rank)
                 return Membership(
@@ -299,6 +302,27 @@ class ElasticWorld:
             if time.monotonic() >= deadline:
                 raise ReformFailed(f"no world handed out within {timeout}")
             time.sleep(_POLL_S)
+
+    def _form_newest(self, membership: Membership, stop: Callable[[], bool], timeout: timedelta) -> Membership:
+        """Form ``membership``; while a newer world supersedes the one forming, form that one
+        instead. Every superseded attempt costs at most the time to notice it."""
+        while True:
+            try:
+                self._form(membership, stop)
+                return membership
+            except Superseded as exc:
+                forget_failed_formation()
+                if stop() or not self._newer_than(membership):
+                    raise ReformFailed(str(exc)) from exc
+                log.info("world superseded while forming; forming the newer one", round=membership.round,
+                         why=str(exc)[:200])
+                superseded = membership
+                membership = self._await_world(
+                    lambda w: not w.pending and w.seq > superseded.seq and w.round > superseded.round,
+                    stop,
+                    timeout,
+                    leaving_fails=True,
+                )
 
     def _form(self, membership: Membership, stop: Callable[[], bool]) -> None:
         """Create the default process group of ``membership``. While it forms, a newer world

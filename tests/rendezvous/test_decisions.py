@@ -247,3 +247,25 @@ def test_an_excluded_node_waits_outside_and_its_join_does_not_count_with_or_with
     assert isinstance(closed, CloseRound) and closed.state.nodes == ["a", "b"]
     # Lifted: the node joins again like any other.
     assert plan_join(view(["a", "b", "c"], state=state), me("c"), None, 0, BOUNDS) == PutJoin(2, "join")
+
+
+def test_a_round_whose_agent_stepped_out_to_a_later_round_is_abandoned() -> None:
+    # c closed round 4 with a and b, then its workers failed and it stepped out for round 5:
+    # a and b, still assigning ranks in round 4, must not wait for c's ranks there.
+    state = formed(["a", "b", "c"], round=4)
+    assert round_abandoned(view(["a", "b", "c"], [join("c", 4)], state=state), 4) == ""
+    assert "moved on to a later round: c" in round_abandoned(view(["a", "b", "c"], [join("c", 5)], state=state), 4)
+
+
+def test_a_stepped_out_agent_takes_its_place_in_a_round_that_counted_it() -> None:
+    # c stepped out with a join for round 2; the round closed with it (the controller's
+    # expected membership counts every live member): c completes round 2, it does not ask for 3.
+    state = formed(["a", "b", "c"], round=2)
+    v = view(["a", "b", "c"], [join("c", 2)], state=state)
+    assert plan_join(v, me("c"), None, 0, BOUNDS, seat=2) == Done(2, 2, 3)
+    # Without the seat (a plain restart after the round it completed), it asks for the next.
+    assert plan_join(v, me("c"), None, 0, BOUNDS) == PutJoin(3, "join")
+    # A round that formed without it, or an older seat, gives no place.
+    assert plan_join(view(["a", "b", "c"], state=formed(["a", "b"], round=2)), me("c"), None, 0, BOUNDS,
+                     seat=2) == PutJoin(3, "join")
+    assert plan_join(v, me("c"), None, 0, BOUNDS, seat=1) == PutJoin(3, "join")
