@@ -55,6 +55,7 @@ from rendezvous.decisions import (
     count_waiting,
     plan_join,
 )
+from rendezvous.ports import master_port
 from rendezvous.settings import RendezvousSettings
 from rendezvous.store import RoundAbandoned, RoundStore, round_prefix
 
@@ -300,7 +301,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             )
             try:
                 # Rank 0 publishes MASTER_ADDR/PORT in the round's store; the others wait for it.
-                bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._settings.identity.host)
+                bootstrap = RendezvousStoreInfo.build(
+                    rank, store, local_addr=self._settings.identity.host,
+                    server_port=master_port() if rank == 0 else None,
+                )
                 break
             except RoundAbandoned as exc:
                 log.warning("round abandoned before it started; joining the next", round=number, reason=str(exc))

@@ -10,6 +10,8 @@ path ever writes a commit marker, so a save cut short stays uncommitted.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -113,9 +115,16 @@ class StopSignal:
                 _quiet_log("info", "stop requested", signal=signal.Signals(signum).name)
                 threading.Event().wait(self.grace.total_seconds())
                 _quiet_log("warning", "training loop did not stop in time; exiting", grace_s=self.grace.total_seconds())
+                _dump_stacks()
                 self._on_force()
             finally:
                 hard_exit(exit_code(signum))
+
+
+def _dump_stacks() -> None:
+    """Where every thread is, on stderr: what the loop was blocked in when it missed its stop."""
+    with contextlib.suppress(OSError, ValueError, RuntimeError):  # stderr gone: the exit goes on
+        faulthandler.dump_traceback(all_threads=True)
 
 
 def _quiet_log(level: str, event: str, **fields: object) -> None:

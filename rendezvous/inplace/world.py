@@ -100,10 +100,12 @@ class ElasticWorld:
         timeout: timedelta,
         abort_grace: timedelta,
         keep_ports: Iterable[int],
+        form_timeout: timedelta = timedelta(minutes=2),
     ) -> None:
         self.backend = backend
         self.timeout = timeout
         self.abort_grace = abort_grace
+        self.form_timeout = form_timeout
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         channel = env.get(CHANNEL_ENV)
         self.channel = Path(channel) if channel else None
@@ -114,6 +116,8 @@ class ElasticWorld:
         self._lock = threading.Lock()
         self._baseline: set[str] = set()
         self._forming: Membership | None = None
+        self._forming_since = 0.0
+        self._overdue: Membership | None = None
         self._severed: Membership | None = None
         self._left = True
         self._due_since: float | None = None
@@ -138,14 +142,17 @@ class ElasticWorld:
         keep_ports: Iterable[int] = (),
         env: Mapping[str, str] | None = None,
         stop: Callable[[], bool] = lambda: False,
+        form_timeout: timedelta = timedelta(minutes=2),
     ) -> ElasticWorld:
         """Form this worker's first world (the default process group).
 
         ``timeout``: of the process group's collectives, and of the wait for a world when
         started ahead of the rendezvous. ``abort_grace``: how long a worker may take to reach
         a step boundary after a re-form is announced before its blocked collectives are made
-        to fail. ``keep_ports``: remote ports of connections never severed (your etcd)."""
-        world = cls(dict(os.environ) if env is None else env, backend, timeout, abort_grace, keep_ports)
+        to fail. ``keep_ports``: remote ports of connections never severed (your etcd).
+        ``form_timeout``: how long forming one world may take before it is given up (the
+        worker then exits and its agent restarts it) instead of waiting out ``timeout``."""
+        world = cls(dict(os.environ) if env is None else env, backend, timeout, abort_grace, keep_ports, form_timeout)
         world._report("waiting", 0)
         if world.in_place:
             world._watcher = threading.Thread(target=world._watch, name="inplace-watch", daemon=True)
@@ -332,6 +339,7 @@ class ElasticWorld:
         with self._lock:
             self._baseline = socket_inodes()
             self._forming = membership
+            self._forming_since = time.monotonic()
         try:
             if membership.master_addr:
                 store = self._store(membership, stop)
@@ -350,6 +358,11 @@ class ElasticWorld:
             if self._newer_than(membership):
                 abort_groups()
                 raise Superseded(f"world of round {membership.round} superseded while forming") from exc
+            if self._overdue is membership:
+                forget_failed_formation()
+                raise ReformFailed(
+                    f"world of round {membership.round} did not form within {self.form_timeout}"
+                ) from exc
             raise
         finally:
             with self._lock:
@@ -373,8 +386,10 @@ class ElasticWorld:
     def _store(self, membership: Membership, stop: Callable[[], bool]) -> dist.Store:
         """The world's TCPStore (hosted by its rank 0). Connecting is retried in short tries,
         so a newer world or a stop is noticed while rank 0 is not (or no longer) there."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        deadline = time.monotonic() + self.form_timeout.total_seconds()
+        tries = 0
         while True:
+            tries += 1
             try:
                 store = dist.TCPStore(
                     membership.master_addr,
@@ -385,8 +400,15 @@ class ElasticWorld:
                     wait_for_workers=False,
                 )
             except (RuntimeError, dist.DistError) as exc:
-                if self._newer_than(membership) or stop() or time.monotonic() >= deadline:
+                if self._newer_than(membership) or stop():
                     raise Superseded(f"could not reach the store of round {membership.round}: {exc}") from exc
+                if time.monotonic() >= deadline:
+                    raise ReformFailed(
+                        f"could not reach the store of round {membership.round} within {self.form_timeout}: {exc}"
+                    ) from exc
+                if tries in (1, 5) or tries % 30 == 0:
+                    log.warning("the world's store is not reachable yet; retrying", round=membership.round,
+                                rank=membership.rank, host_it=membership.rank == 0, tries=tries, error=str(exc)[:300])
                 continue
             store.set_timeout(self.timeout)
             return store
@@ -410,11 +432,16 @@ class ElasticWorld:
             due = self.reform_due()
             with self._lock:
                 forming = self._forming
-                if forming is not None and forming is not self._severed and self._newer_than(forming):
-                    # A member of the world being formed is gone: fail the formation (once).
-                    sever_connections(self._baseline, self._keep_ports)
-                    self._severed = forming
-                    continue
+                if forming is not None and forming is not self._severed:
+                    overdue = time.monotonic() - self._forming_since > self.form_timeout.total_seconds()
+                    if self._newer_than(forming) or overdue:
+                        # A member of the world being formed is gone, or it cannot form (a peer
+                        # never came): fail the formation (once).
+                        sever_connections(self._baseline, self._keep_ports)
+                        self._severed = forming
+                        self._overdue = forming if overdue else None
+                        log.warning("failing the formation of a world", round=forming.round, overdue=overdue)
+                        continue
                 if self._left or self._aborted:
                     continue
                 if not due:

@@ -6,6 +6,7 @@ sum of ones (the world size when every rank took part)."""
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 
 import torch
@@ -15,7 +16,8 @@ from rendezvous.inplace.world import ElasticWorld
 
 
 def main() -> None:
-    world = ElasticWorld.join(backend="gloo", timeout=timedelta(seconds=30))
+    form_timeout = timedelta(seconds=float(os.environ.get("FORM_TIMEOUT_S", "120")))
+    world = ElasticWorld.join(backend="gloo", timeout=timedelta(seconds=30), form_timeout=form_timeout)
     ones = torch.ones(1)
     dist.all_reduce(ones)
     print(json.dumps({"round": world.round, "rank": world.rank, "world_size": world.world_size,

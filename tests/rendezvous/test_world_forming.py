@@ -27,9 +27,9 @@ def _world(seq: int, round: int, port: int, rank: int, size: int) -> bytes:
     ).to_json()
 
 
-def _worker(channel: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+def _worker(channel: Path, env: dict[str, str], **extra: str) -> subprocess.Popen[str]:
     channel.mkdir()
-    full = {**env, CHANNEL_ENV: str(channel), STANDBY_ENV: "1", "LOCAL_RANK": "0"}
+    full = {**env, CHANNEL_ENV: str(channel), STANDBY_ENV: "1", "LOCAL_RANK": "0", **extra}
     return subprocess.Popen([sys.executable, "-m", "tests.rendezvous.forming_worker"], cwd=ROOT, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -70,3 +70,21 @@ def test_a_world_superseded_while_forming_is_replaced_in_the_same_process(
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert [r["sum"] for r in results] == [2, 2]
     assert results[0]["formed"] == 1
+
+
+def test_a_world_that_cannot_form_is_given_up_within_the_form_timeout(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    # Rank 1 of this world never comes and no newer world is written: without a bound the
+    # worker would wait out the collective timeout (30 s here, 10 min in the trainer).
+    port = free_port()
+    worker = _worker(tmp_path / "a", worker_env, FORM_TIMEOUT_S="2")
+    try:
+        write_atomically(tmp_path / "a" / WORLD_FILE, _world(1, 1, port, 0, 2))
+        _, err = worker.communicate(timeout=25)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode != 0
+    assert "ReformFailed: world of round 1 did not form within 0:00:02" in err, err[-3000:]
