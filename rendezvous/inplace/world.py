@@ -58,6 +58,11 @@ log = structlog.get_logger("regroup.inplace.world")
 _POLL_S = 0.02
 _CONNECT_TRY = timedelta(seconds=2)
 """One try at reaching a world's store; between tries, a newer world is looked for."""
+_MESH_TIMEOUT = timedelta(seconds=30)
+"""How long a world's process group may take to connect its ranks. gloo keeps retrying a
+failed formation's connections in the background for the group's timeout; with the
+collective timeout (10 min) there, one failed formation could hold up the next ones. The
+group gets the collective timeout once it has formed."""
 
 
 class Interrupted(Exception):
@@ -348,8 +353,9 @@ class ElasticWorld:
                     store=dist.PrefixStore("default_pg", store),  # as env:// would
                     rank=membership.rank,
                     world_size=membership.world_size,
-                    timeout=self.timeout,
+                    timeout=min(self.timeout, _MESH_TIMEOUT),
                 )
+                dist.distributed_c10d._set_pg_timeout(self.timeout)
             else:
                 dist.init_process_group(
                     self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout

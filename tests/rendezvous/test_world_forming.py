@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 
 from regroup.etcd_server import free_port
-from rendezvous.inplace.channel import CHANNEL_ENV, STANDBY_ENV, WORLD_FILE, NodeWorld, RankSlot, write_atomically
+from rendezvous.inplace.channel import (
+    CHANNEL_ENV,
+    STANDBY_ENV,
+    WORLD_FILE,
+    NodeWorld,
+    RankSlot,
+    WorkerReport,
+    write_atomically,
+)
 from tests.rendezvous.agents import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +40,11 @@ def _worker(channel: Path, env: dict[str, str], **extra: str) -> subprocess.Pope
     full = {**env, CHANNEL_ENV: str(channel), STANDBY_ENV: "1", "LOCAL_RANK": "0", **extra}
     return subprocess.Popen([sys.executable, "-m", "tests.rendezvous.forming_worker"], cwd=ROOT, env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _running(channel: Path, round: int) -> bool:
+    report = WorkerReport.read(channel, 0)
+    return report is not None and report.state == "running" and report.round == round
 
 
 def _listening(port: int) -> bool:
@@ -58,7 +71,7 @@ def test_a_world_superseded_while_forming_is_replaced_in_the_same_process(
         for proc in (a, b):
             out, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append([json.loads(line) for line in out.splitlines() if line.startswith("{")][-1])
     finally:
         for proc in (a, b):
             if proc is not None and proc.poll() is None:
@@ -88,3 +101,34 @@ def test_a_world_that_cannot_form_is_given_up_within_the_form_timeout(
             worker.wait()
     assert worker.returncode != 0
     assert "ReformFailed: world of round 1 did not form within 0:00:02" in err, err[-3000:]
+
+
+def test_survivors_of_a_world_re_form_after_the_next_one_failed_to_form(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    # a and b train in round 1; round 2 adds c, whose node dies before c starts; round 3 is
+    # a and b again. Their formation of round 2 fails midway, after round 1 was aborted.
+    p1, p2, p3 = free_port(), free_port(), free_port()
+    workers = [_worker(tmp_path / name, worker_env, FINAL_ROUND="3") for name in ("a", "b")]
+    try:
+        for rank, name in enumerate(("a", "b")):
+            write_atomically(tmp_path / name / WORLD_FILE, _world(1, 1, p1, rank, 2))
+        wait_until(lambda: all(_running(tmp_path / name, 1) for name in ("a", "b"))
+                   or any(w.poll() is not None for w in workers), 120, "round 1 formed")
+        for rank, name in enumerate(("a", "b")):
+            write_atomically(tmp_path / name / WORLD_FILE, _world(2, 2, p2, rank, 3))
+        wait_until(lambda: _listening(p2) or any(w.poll() is not None for w in workers), 120, "round 2 forming")
+        for rank, name in enumerate(("a", "b")):
+            write_atomically(tmp_path / name / WORLD_FILE, _world(3, 3, p3, rank, 2))
+        results = []
+        for proc in workers:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            results.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for lines in results:
+        assert [(r["round"], r["sum"]) for r in lines] == [(1, 2), (3, 2)], lines
