@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 PIP   := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test etcd venv bench clean
+.PHONY: demo test test-busy etcd venv bench clean
 
 etcd:
 	@command -v etcd >/dev/null 2>&1 || { apt-get update && apt-get install -y etcd-server; }
@@ -23,6 +23,10 @@ demo: etcd venv
 
 test: etcd venv
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The same suite with every core kept busy by spinning processes (it must pass on a loaded machine).
+test-busy: etcd venv
+	$(PY) tests/busy.py $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: etcd venv
 	$(PIP) install --disable-pip-version-check -q -e '.[train,report,test,bench]'

@@ -63,7 +63,7 @@ async def mirror_etcd(
             items = [(kv.key.decode(), kv.value, kv.mod_revision) for kv in listing.kvs]
             model.etcd_resynced(items)
             on_synced()
-            watch = await client.watch_prefix(head.encode(), start_revision=listing.header.revision + 1)
+            watch = await etcd_layer.open_watch(client, head.encode(), start_revision=listing.header.revision + 1)
             if not first:
                 log.info("etcd watch re-established", revision=listing.header.revision)
             first = False
@@ -78,7 +78,7 @@ async def mirror_etcd(
                         model.etcd_delete(key, revision, wake=wake)
                     delay = retry.total_seconds()
             finally:
-                await watch.cancel()
+                await etcd_layer.close_watch(watch)
         except asyncio.CancelledError:
             raise
         except ETCD_ERRORS as exc:

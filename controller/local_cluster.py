@@ -490,8 +490,9 @@ class LocalCluster:
         # Snapshot the tree first: once the agent exits, its workers are no longer its children.
         tree = process_tree(process.pid)
         _signal_known({process.pid: tree.get(process.pid, 0)} if process.pid in tree else {}, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), self._stop_grace.total_seconds())
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can drop a cancellation (gh-86296)
+            async with asyncio.timeout(self._stop_grace.total_seconds()):
+                await process.wait()
         except TimeoutError:
             pass
         # Whatever of the snapshot survived (agent or orphaned workers) is killed.

@@ -5,6 +5,8 @@
   because aetcd itself only opens insecure channels.
 - ``LeaseKeeper``: aetcd has no background keep-alive; this is the owned task that
   refreshes a lease until cancelled.
+- ``open_watch()`` / ``close_watch()``: every watch is opened and closed through these,
+  so a cancellation that lands while aetcd creates the watch is never lost.
 - ``LoopThread``: an asyncio loop in a daemon thread, for synchronous callers (the
   torchrun rendezvous handler, the training loop); ``loop_threads`` lists the open ones
   and what went wrong on them (the test suite fails a test that leaks either).
@@ -197,6 +199,39 @@ async def connect(settings: EtcdSettings) -> aetcd.Client:
             errors.append(f"{endpoint}: {type(exc).__name__}: {exc}".strip())
             await client.close()
     raise EtcdUnavailable(f"etcd unreachable at {settings.describe()} ({'; '.join(errors)})")
+
+
+Watch = aetcd.rtypes.Watch
+
+
+async def open_watch(client: aetcd.Client, key: bytes, *, start_revision: int, prefix: bool = True) -> Watch:
+    """A watch on ``key`` (with ``prefix``, on every key under it) from ``start_revision``.
+
+    aetcd creates a watch under ``asyncio.wait_for``, which on Python 3.11 drops a
+    cancellation that lands in the loop turn the watch is created in (CPython gh-86296):
+    the caller would then wait on its new watch, cancelled but never told, and whatever
+    awaits its end (a ``TaskGroup``, a shutdown) would hang. The cancellation is honoured
+    here: the watch is closed and ``CancelledError`` raised.
+    """
+    opener = client.watch_prefix if prefix else client.watch
+    watch = await opener(key, start_revision=start_revision)
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        await close_watch(watch)
+        raise asyncio.CancelledError(f"cancelled while the watch on {key.decode(errors='replace')} was created")
+    return watch
+
+
+async def close_watch(watch: Watch, timeout: timedelta = timedelta(seconds=1)) -> bool:
+    """Cancel ``watch`` on the server, waiting at most ``timeout``; False when it could not
+    be (etcd gone, the stream already broken): the stream's end drops it all the same."""
+    try:
+        async with asyncio.timeout(timeout.total_seconds()):
+            await watch.cancel()
+        return True
+    except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as exc:
+        log.debug("watch not cancelled on the server", error=str(exc))
+        return False
 
 
 class LeaseKeeper:

@@ -110,13 +110,13 @@ class JobWatch:
                 if reload:
                     await self._load()
                     reload = False
-                watch = await self._client.watch_prefix(self._keys.root.encode(), start_revision=self._revision + 1)
+                watch = await etcd.open_watch(self._client, self._keys.root.encode(), start_revision=self._revision + 1)
                 backoff = 0.05
                 try:
                     async for event in watch:
                         self._apply(event)
                 finally:
-                    await _cancel_quietly(watch)
+                    await etcd.close_watch(watch)
             except etcd.RevisionCompactedError:
                 reload = True
             except WATCH_ERRORS as exc:
@@ -230,9 +230,3 @@ class JobWatch:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
 
-
-async def _cancel_quietly(watch: Any) -> None:
-    try:
-        await asyncio.wait_for(watch.cancel(), 1.0)
-    except (TimeoutError, *WATCH_ERRORS):
-        pass

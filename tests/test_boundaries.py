@@ -14,3 +14,17 @@ def test_import_contracts_are_kept() -> None:
     result = subprocess.run([str(lint), "--config", str(REPO / ".importlinter")], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 4 kept, 0 broken" in result.stdout, result.stdout
+
+
+def test_every_etcd_watch_is_opened_through_the_etcd_layer() -> None:
+    """``regroup.etcd.open_watch`` honours a cancellation aetcd's watch creation can drop on
+    Python 3.11; a watch opened any other way could hang whoever cancels its task."""
+    offenders = []
+    for package in ("controller", "rendezvous", "trainer", "regroup", "bench"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path == REPO / "regroup" / "etcd.py":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if ".watch_prefix(" in line or "client.watch(" in line:
+                    offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
-from regroup.etcd import ClientError, EtcdSettings, EventKind, LoopThread, connect
+from regroup.etcd import ClientError, EtcdSettings, EventKind, LoopThread, close_watch, connect, open_watch
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, RecordError, ReformRequest
 from trainer.config import EtcdConfig
@@ -117,13 +117,13 @@ class JobChannel:
         key = self.keys.checkpoint.encode()
         while True:
             try:
-                watch = await self._client.watch(key, start_revision=revision + 1)
+                watch = await open_watch(self._client, key, start_revision=revision + 1, prefix=False)
                 try:
                     async for event in watch:
                         revision = max(revision, int(event.kv.mod_revision))
                         self._set_request(event.kv.value if event.kind == EventKind.PUT else None)
                 finally:
-                    await watch.cancel()
+                    await close_watch(watch)
             except asyncio.CancelledError:
                 raise
             except (ClientError, grpc.RpcError, OSError) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import time
 from collections.abc import Callable
@@ -51,6 +52,9 @@ GLOBAL_BATCH = 12
 AGENT_LEASE_TTL = 5.0
 """The rendezvous' default member lease TTL: a dead agent's keys are gone this long after."""
 CONTROLLER_READY_TIMEOUT = 60.0
+CONTROLLER_STOP_TIMEOUT = 30.0
+"""A cancelled controller must be gone by then; one that is not is a defect, reported with
+every task's stack instead of stalling the campaign."""
 
 # The trainer of the demo (tiny model, CPU, gloo) with what the campaign checks switched on.
 TRAINER: dict[str, Any] = {
@@ -228,9 +232,18 @@ class ChaosJob:
     async def stop_controller(self) -> None:
         """Cancel the controller as a crashed replica stops: mid-step, wherever it is."""
         task, self.controller = self.controller, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if task is None:
+            return
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=CONTROLLER_STOP_TIMEOUT)
+        if not done:
+            log.error("controller did not stop", controller=task.get_name(), stacks=_task_stacks())
+            raise RuntimeError(
+                f"{task.get_name()} did not stop within {CONTROLLER_STOP_TIMEOUT:.0f}s of its cancel "
+                "(every task's stack is in logs/chaos.log)"
+            )
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("controller ended with an error", controller=task.get_name(), error=repr(task.exception()))
 
     async def restart_etcd(self, crash: bool) -> None:
         """Stop etcd (SIGKILL or SIGTERM) and start it again on the same ports and data."""
@@ -341,3 +354,12 @@ class ChaosJob:
             await self.cluster.stop()
         await self._stop_tasks()
         await asyncio.to_thread(self.etcd.stop)
+
+
+def _task_stacks() -> str:
+    """Every task of this loop with the stack it waits in."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        print(repr(task)[:300], file=out)
+        task.print_stack(file=out)
+    return out.getvalue()

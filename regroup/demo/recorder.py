@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from regroup.etcd import EtcdSettings, EventKind, connect
+from regroup.etcd import EtcdSettings, EventKind, close_watch, connect, open_watch
 from regroup.keys import JobKeys
 from regroup.records import (
     CheckpointAck,
@@ -73,7 +73,7 @@ class JobRecorder:
             revision = snapshot.header.revision
             while True:
                 try:
-                    watch = await client.watch_prefix(self._keys.root.encode(), start_revision=revision + 1)
+                    watch = await open_watch(client, self._keys.root.encode(), start_revision=revision + 1)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - etcd down (restarting): try again
@@ -90,7 +90,7 @@ class JobRecorder:
                     log.warning("watch broke, re-watching", revision=revision, error=repr(exc))
                     await asyncio.sleep(0.5)
                 finally:
-                    await asyncio.shield(_cancel(watch))
+                    await asyncio.shield(close_watch(watch))
         finally:
             await client.close()
 
@@ -148,10 +148,3 @@ class JobRecorder:
         if key != self._last_plan:
             self._last_plan = key
             _append(self._plans_file, {"seen": time.time(), **asdict(plan)})
-
-
-async def _cancel(watch: Any) -> None:
-    try:
-        await watch.cancel()
-    except Exception as exc:  # noqa: BLE001 - the channel may already be closed
-        log.debug("watch cancel failed", error=repr(exc))

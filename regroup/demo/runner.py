@@ -295,7 +295,8 @@ async def _start_c10d_store(layout: RunLayout) -> tuple[asyncio.subprocess.Proce
     finally:
         log_file.close()
     assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), 60)
+    async with asyncio.timeout(60):
+        line = await process.stdout.readline()
     if line.strip() != b"ready":
         await process.wait()
         raise RuntimeError(f"c10d store did not start (see {layout.logs / 'c10d-store.log'})")
@@ -306,7 +307,8 @@ async def _stop_process(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
         process.terminate()
         try:
-            await asyncio.wait_for(process.wait(), 5)
+            async with asyncio.timeout(5):
+                await process.wait()
         except TimeoutError:
             process.kill()
             await process.wait()

@@ -9,7 +9,17 @@ from datetime import timedelta
 
 import pytest
 
-from regroup.etcd import EtcdSettings, EtcdUnavailable, LeaseKeeper, LoopThread, connect, loop_threads, parse_endpoints
+from regroup.etcd import (
+    EtcdSettings,
+    EtcdUnavailable,
+    LeaseKeeper,
+    LoopThread,
+    close_watch,
+    connect,
+    loop_threads,
+    open_watch,
+    parse_endpoints,
+)
 from regroup.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import CheckpointRequest, MemberRecord, Progress, RecordError, ReformRequest
@@ -83,6 +93,44 @@ async def test_lease_keeper_keeps_key_alive_and_revokes(etcd_client) -> None:
     assert (await etcd_client.get(b"/k")) is not None, "lease expired despite the keeper"
     await keeper.stop(revoke=True)
     assert await etcd_client.get(b"/k") is None
+
+
+class _CancelLandsAsTheWatchIsCreated:
+    """The real client, but its watch is created in the loop turn a cancellation lands in,
+    and the cancellation is dropped, as Python 3.11's ``asyncio.wait_for`` inside aetcd's
+    ``add_callback`` drops it (CPython gh-86296)."""
+
+    def __init__(self, client: object) -> None:
+        self.client = client
+        self.watches: list[object] = []
+
+    async def watch_prefix(self, key: bytes, **kwargs: object) -> object:
+        watch = await self.client.watch_prefix(key, **kwargs)  # type: ignore[attr-defined]
+        self.watches.append(watch)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass  # dropped, as wait_for drops it when its result and the cancellation meet
+        return watch
+
+
+async def test_a_cancellation_that_lands_as_a_watch_is_created_is_not_lost(etcd_client) -> None:
+    client = _CancelLandsAsTheWatchIsCreated(etcd_client)
+    opened = asyncio.ensure_future(open_watch(client, b"/jobs/", start_revision=1))  # type: ignore[arg-type]
+    with pytest.raises(asyncio.CancelledError):
+        await opened
+    # The watch it had created was closed on the server: a put reaches no one, and a new
+    # watch on the same key still works.
+    assert len(client.watches) == 1
+    watch = await open_watch(etcd_client, b"/jobs/", start_revision=1)
+    await etcd_client.put(b"/jobs/a", b"1")
+    events = aiter(watch)
+    event = await anext(events)
+    assert event.kv.key == b"/jobs/a"
+    assert await close_watch(watch)
 
 
 def test_loop_thread_runs_coroutines_for_sync_callers(etcd: EtcdServer) -> None:
