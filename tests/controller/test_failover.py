@@ -22,7 +22,7 @@ import pytest
 from controller.settings import ControllerSettings, ReformSettings
 from controller.status import job_status, render
 from regroup.keys import JobKeys
-from regroup.records import CheckpointRequest, Exclusions, ReformPlan, ReformRequest
+from regroup.records import CheckpointRequest, Exclusions, Progress, ReformPlan, ReformRequest
 from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound
 from rendezvous.records import RoundState
 from rendezvous.settings import parse_settings
@@ -171,6 +171,9 @@ async def test_a_leader_lost_mid_shrink_ends_at_the_right_size_with_the_leaving_
             agent.start()
         await cluster.wait_record(KEYS.rdzv + "state", RoundState, lambda s: len(s.nodes) == 3, WAIT)
         trainer.reports.set()
+        # A reclaim is planned only for a job whose trainer has reported: the leader must
+        # find round 1's progress in its first listing, whatever the machine's load.
+        await cluster.wait_record(KEYS.progress, Progress, timeout=WAIT)
         async with replica(kube_api, kubeconfig, etcd_settings, "ctl-a") as (a, a_task, _):
             await until(lambda: a.leading, WAIT)
             async with replica(kube_api, kubeconfig, etcd_settings, "ctl-b") as (b, _, b_metrics):

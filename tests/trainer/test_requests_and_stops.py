@@ -252,9 +252,12 @@ async def test_sigterm_ends_a_rank_blocked_in_a_collective_and_reports_its_last_
         settle=lambda: wait_record(etcd_client, keys.progress, Progress, lambda p: p.step == 3),
     )
 
+    # Rank 1 waits where no stop is ever looked at: only its watchdog can end it. Rank 0,
+    # blocked in the all-gather, ends by its own watchdog or by the collective failing once
+    # rank 1 is gone, whichever comes first on the machine; either way within the bound.
     assert stopped_in < 5, f"workers took {stopped_in:.1f}s to stop"
     forced = [e for e in events if e.get("event", "").startswith("training loop did not")]
-    assert len(forced) == 2, "both ranks were ended by their watchdogs"
+    assert 1 <= len(forced) <= 2, f"watchdog exits: {forced}"
     final = Progress.from_json((await etcd_client.get(keys.progress.encode())).value)
     assert (final.step, final.extra["state"]) == (3, "stopped")
 
