@@ -521,6 +521,9 @@ class LoopThread:
             self._record(f"{what} crashed: {exc!r}")
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if _late_grpc_completion(context):
+            log.info("a gRPC completion reached an event loop already closed", loop=f"{self.name}#{self.serial}")
+            return
         loop.default_exception_handler(context)  # logs it, with the traceback
         if id(context.get("task")) in self._stuck:
             self._stuck.discard(id(context["task"]))
@@ -533,6 +536,22 @@ class LoopThread:
         if context.get("exception") is not None:
             parts.append(repr(context["exception"]))
         self._record(": ".join(parts))
+
+
+def _late_grpc_completion(context: dict[str, Any]) -> bool:
+    """gRPC's aio poller (one per process, run by the loop that first used gRPC) hands each
+    completion of a call made on another loop to that loop with ``call_soon_threadsafe``.
+    A completion that arrives after its own loop was closed (a call finishing its
+    cancellation as a ``LoopThread`` closed) raises "Event loop is closed" here, on the
+    poller's loop. The closed loop's call is gone with it, and nothing is lost on this loop:
+    every queued completion has its own wake-up, so the next ones are handled on the next.
+    """
+    exc = context.get("exception")
+    return (
+        isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+        and "PollerCompletionQueue._handle_events" in repr(context.get("handle"))
+    )
 
 
 async def enable_auth(client: aetcd.Client, root_password: str, users: dict[str, str] | None = None, prefix: str = "/regroup/") -> None:

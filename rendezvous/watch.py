@@ -229,4 +229,3 @@ class JobWatch:
         self._visible_revision = self._revision
         event, self._changed = self._changed, asyncio.Event()
         event.set()
-

@@ -145,6 +145,44 @@ def test_loop_thread_runs_coroutines_for_sync_callers(etcd: EtcdServer) -> None:
         loop.close()
 
 
+class PollerCompletionQueue:
+    """Named as gRPC's aio poller, whose ``_handle_events`` forwards a completion to the
+    loop its call was made on."""
+
+    def __init__(self, target: asyncio.AbstractEventLoop) -> None:
+        self.target = target
+
+    def _handle_events(self) -> None:
+        self.target.call_soon_threadsafe(lambda: None)
+
+
+def test_a_grpc_completion_for_a_closed_loop_is_not_a_problem_of_the_loop_that_forwards_it(
+    take_loop_thread_problems: Callable[[], list[str]],
+) -> None:
+    closed = asyncio.new_event_loop()
+    closed.close()
+    loop = LoopThread(name="poller")
+    try:
+
+        async def forward(target: asyncio.AbstractEventLoop) -> None:
+            # The poller's forward raises on the loop running it, as gRPC's does.
+            asyncio.get_running_loop().call_soon(PollerCompletionQueue(target)._handle_events)
+            asyncio.get_running_loop().call_soon(_raise_in_callback)
+            await asyncio.sleep(0.05)
+
+        loop.run(forward(closed))
+    finally:
+        loop.close()
+    recorded = take_loop_thread_problems()
+    # The forward to the closed loop is not recorded; any other callback error still is.
+    assert len(loop.problems) == 1 and len(recorded) == 1, loop.problems
+    assert loop.problems[0].startswith("Exception in callback _raise_in_callback()"), loop.problems
+
+
+def _raise_in_callback() -> None:
+    raise RuntimeError("Event loop is closed")  # same text, but not gRPC's forward
+
+
 def test_loop_thread_records_what_no_caller_was_told_and_is_listed_until_closed(
     take_loop_thread_problems: Callable[[], list[str]],
 ) -> None:
