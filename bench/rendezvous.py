@@ -45,7 +45,7 @@ import structlog
 from regroup.etcd import EtcdSettings, connect
 from regroup.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
-from regroup.records import ExpectedMembership, ReformRequest
+from regroup.records import ExpectedMembership, ReformCause, ReformRequest
 from rendezvous.handler import EtcdV3RendezvousHandler, Shared
 from rendezvous.settings import parse_settings
 
@@ -162,7 +162,8 @@ def write_lever(endpoint: str, job: str, nodes: list[str], generation: int) -> N
         client = await connect(EtcdSettings.from_endpoint_string(endpoint))
         try:
             await client.put(keys.expected.encode(), ExpectedMembership(generation=generation, nodes=nodes).to_json())
-            await client.put(keys.reform.encode(), ReformRequest(generation=generation, cause="node-lost").to_json())
+            request = ReformRequest(generation=generation, cause=ReformCause.NODE_LOST.value)
+            await client.put(keys.reform.encode(), request.to_json())
         finally:
             await client.close()
 

@@ -41,11 +41,12 @@ from regroup.records import (
     ControllerPresence,
     ExpectedMembership,
     JobStatus,
+    ReformCause,
+    ReformOutcome,
+    ReformPhase,
     ReformPlan,
     ReformRequest,
 )
-
-DONE = "done"
 
 
 @dataclass
@@ -95,8 +96,8 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
 
     if s.finished:
         # The agents closed the rendezvous: training is over. Nothing to re-form, ever.
-        if s.plan is not None and s.plan.phase != DONE:
-            _finish(s, s.plan, now, "superseded", out, "the job finished (its rendezvous is closed)")
+        if s.plan is not None and s.plan.phase != ReformPhase.DONE:
+            _finish(s, s.plan, now, ReformOutcome.SUPERSEDED, out, "the job finished (its rendezvous is closed)")
         reason = "finished: the job's rendezvous is closed"
         _status(s, out, "finished", reason, world, config, now)
         return _decision(out, reason, len(world), config, Alerts(flapping=flapping, rendezvous_on_gpu=gpu_alert))
@@ -107,7 +108,7 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
     _exclusions(s, config, health, now, out)
     joiners = _joiners(s, world, health, now, out)
     plan = s.plan
-    if plan is not None and plan.phase != DONE:
+    if plan is not None and plan.phase != ReformPhase.DONE:
         reason = _advance(s, plan, config, health, now, settings, out)
         state = "reforming"
         stalled = False
@@ -127,7 +128,7 @@ def _world(s: JobSnapshot) -> frozenset[str]:
     """Nodes of the job's current round, including members that vanished from it."""
     world = s.world_seen  # the model adds every member of world_round to it
     plan = s.plan
-    if plan is not None and plan.phase == DONE and plan.outcome == "completed" and plan.round_after == s.world_round:
+    if plan is not None and plan.phase == ReformPhase.DONE and plan.outcome == ReformOutcome.COMPLETED and plan.round_after == s.world_round:
         world = world.union(plan.nodes_after)
     return world
 
@@ -368,13 +369,13 @@ def _start(
     if lost:
         target = _clamp(survivors, joiners, config.max_nodes)
         storm_only = all(n in health.storm for n in lost)
-        cause = "restart-storm" if storm_only else "node-lost"
+        cause = ReformCause.RESTART_STORM if storm_only else ReformCause.NODE_LOST
         what = ", ".join(f"{n} ({r})" for n, r in sorted(lost.items()))
         if len(target) < config.min_nodes:
             return _stall(s, out, newest, f"lost {what}: {len(target)} nodes left, below min {config.min_nodes}")
         detected = min(health.lost_since[n] for n in lost)
         _begin(s, out, now, cause, False, f"lost {what}", world, target, detected, settings, config)
-        return f"unplanned re-form ({cause}): lost {what}", False
+        return f"unplanned re-form ({cause.value}): lost {what}", False
     if leaving:
         target = _clamp(survivors, joiners, config.max_nodes)
         what = ", ".join(f"{n} ({notice.signal}, {notice.source})" for n, notice in sorted(leaving.items()))
@@ -386,13 +387,13 @@ def _start(
             if notice.ends_at is not None:
                 deadline = min(deadline, notice.ends_at - settings.reform.notice_margin.total_seconds())
         planned = deadline > now and s.progress is not None
-        _begin(s, out, now, "reclaim", planned, f"reclaim notice on {what}", world, target, detected, settings, config, deadline)
+        _begin(s, out, now, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", world, target, detected, settings, config, deadline)
         return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
     if len(world) > config.max_nodes:
         target = sorted(world)[: config.max_nodes]
         deadline = now + config.checkpoint_timeout.total_seconds()
         why = f"{len(world)} nodes exceed max {config.max_nodes}"
-        _begin(s, out, now, "manual", s.progress is not None, why, world, target, now, settings, config, deadline)
+        _begin(s, out, now, ReformCause.MANUAL, s.progress is not None, why, world, target, now, settings, config, deadline)
         return f"shrink to max: {why}", False
     live = len(world)
     if joiners and live < config.max_nodes:
@@ -409,7 +410,7 @@ def _start(
         added = ", ".join(target[live:])
         planned = live >= config.min_nodes and s.progress is not None
         deadline = now + config.checkpoint_timeout.total_seconds()
-        _begin(s, out, now, "grow", planned, f"nodes joining: {added}", world, target, min(opened, now), settings, config, deadline)
+        _begin(s, out, now, ReformCause.GROW, planned, f"nodes joining: {added}", world, target, min(opened, now), settings, config, deadline)
         return f"grow to {len(target)} nodes: {added} joining", False
     if world and live < config.min_nodes:
         return _stall(s, out, newest, f"{live} nodes, below min {config.min_nodes}")
@@ -429,7 +430,7 @@ def _begin(
     s: JobSnapshot,
     out: _Out,
     now: float,
-    cause: str,
+    cause: ReformCause,
     planned: bool,
     reason: str,
     world: frozenset[str],
@@ -444,7 +445,7 @@ def _begin(
         generation=generation,
         cause=cause,
         planned=planned,
-        phase="checkpoint" if planned else "rendezvous",
+        phase=ReformPhase.CHECKPOINT if planned else ReformPhase.RENDEZVOUS,
         reason=reason,
         nodes_before=sorted(world),
         nodes_after=list(target),
@@ -471,7 +472,7 @@ def _checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
         deadline=plan.checkpoint_deadline,
         hold=True,
         reason=plan.reason,
-        traceparent=traceparent(plan.trace_id, "checkpoint"),
+        traceparent=traceparent(plan.trace_id, ReformPhase.CHECKPOINT.value),
         requested_at=plan.checkpoint_requested_at,
     )
 
@@ -488,7 +489,7 @@ def _request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
         ranks += member.local_world_size if member is not None else 0
     return dataclasses.replace(
         plan,
-        phase="rendezvous",
+        phase=ReformPhase.RENDEZVOUS,
         reform_requested_at=now,
         step_before=step,
         progress_revision=s.progress_revision,
@@ -497,14 +498,14 @@ def _request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
 
 
 def _reform_writes(plan: ReformPlan, out: _Out, s: JobSnapshot | None = None) -> None:
-    rdzv = traceparent(plan.trace_id, "rendezvous")
+    rdzv = traceparent(plan.trace_id, ReformPhase.RENDEZVOUS.value)
     if s is None or s.expected is None or s.expected.generation != plan.generation:
         out.actions.append(
             WriteExpected(ExpectedMembership(plan.generation, list(plan.nodes_after), plan.reason, rdzv))
         )
     if s is None or s.reform is None or s.reform.generation != plan.generation:
         out.actions.append(
-            WriteReform(ReformRequest(plan.generation, plan.cause, plan.reason, rdzv, plan.reform_requested_at))
+            WriteReform(ReformRequest(plan.generation, plan.cause.value, plan.reason, rdzv, plan.reform_requested_at))
         )
 
 
@@ -521,7 +522,7 @@ def _advance(
     out: _Out,
 ) -> str:
     lost_targets = sorted(n for n in plan.nodes_after if n in health.lost)
-    if plan.phase == "checkpoint":
+    if plan.phase == ReformPhase.CHECKPOINT:
         if s.checkpoint is None or s.checkpoint.generation != plan.generation:
             out.actions.append(WriteCheckpointRequest(_checkpoint_request(plan)))
         ack = s.acks.get(plan.generation)
@@ -541,7 +542,7 @@ def _advance(
         acked_at = min(now, s.first_seen.get(signal_key("", f"ack:{plan.generation}"), now)) if ack else now
         nodes = [n for n in plan.nodes_after if n not in health.lost]
         if len(nodes) < config.min_nodes:
-            return _finish(s, plan, now, "superseded", out, f"only {len(nodes)} target nodes left, below min {config.min_nodes}")
+            return _finish(s, plan, now, ReformOutcome.SUPERSEDED, out, f"only {len(nodes)} target nodes left, below min {config.min_nodes}")
         updated = dataclasses.replace(
             plan,
             acked_at=acked_at,
@@ -557,7 +558,7 @@ def _advance(
         if fallback:
             return f"re-form {plan.generation}: unplanned fallback: {fallback}"
         return f"re-form {plan.generation}: checkpoint acked at step {ack.step if ack else -1}, re-forming"
-    if plan.phase == "rendezvous":
+    if plan.phase == ReformPhase.RENDEZVOUS:
         _reform_writes(plan, out, s)
         rounds = [s.members[n].round for n in plan.nodes_after if n in s.members]
         # Formed: the rendezvous' round record shows a newer round of exactly the planned
@@ -566,24 +567,24 @@ def _advance(
         # plan's: waiting on it would wait for a state that cannot come.
         newer = s.world_round > plan.round_before and bool(s.world_agents)
         if newer and set(s.world_agents) != set(plan.nodes_after):
-            return _finish(s, plan, now, "superseded", out, _other_round(s, plan))
+            return _finish(s, plan, now, ReformOutcome.SUPERSEDED, out, _other_round(s, plan))
         formed = newer and set(plan.nodes_after) <= s.world_seen
         if formed or (len(rounds) == len(plan.nodes_after) and all(r > plan.round_before for r in rounds)):
             round_after = s.world_round if formed else max(rounds)
-            updated = dataclasses.replace(plan, phase="resume", round_after=round_after, rendezvous_done_at=now)
+            updated = dataclasses.replace(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=now)
             out.actions.append(WritePlan(updated, s.plan_revision))
             out.again_in(settings.reform.resume_timeout.total_seconds())
             return f"re-form {plan.generation}: round {round_after} formed with {len(plan.nodes_after)} nodes"
         if lost_targets:
-            return _finish(s, plan, now, "superseded", out, f"{', '.join(lost_targets)} lost during the rendezvous")
+            return _finish(s, plan, now, ReformOutcome.SUPERSEDED, out, f"{', '.join(lost_targets)} lost during the rendezvous")
         elapsed = now - plan.reform_requested_at
         limit = settings.reform.rendezvous_timeout.total_seconds()
         if elapsed >= limit:
-            return _finish(s, plan, now, "timeout", out, "expected members did not all join the new round")
+            return _finish(s, plan, now, ReformOutcome.TIMEOUT, out, "expected members did not all join the new round")
         out.again_in(limit - elapsed)
         pending = [n for n in plan.nodes_after if n not in s.members or s.members[n].round <= plan.round_before]
         return f"re-form {plan.generation}: waiting for {', '.join(pending)} to join the new round"
-    if plan.phase == "resume":
+    if plan.phase == ReformPhase.RESUME:
         _reform_writes(plan, out, s)
         progress = s.progress
         if (
@@ -599,18 +600,18 @@ def _advance(
                 plan, resumed_at=max(seen, plan.rendezvous_done_at), resumed_from_step=progress.resumed_from_step,
                 lost_steps=lost_steps, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
             )
-            return _finish(s, resumed, now, "completed", out, f"resumed from step {progress.resumed_from_step}")
+            return _finish(s, resumed, now, ReformOutcome.COMPLETED, out, f"resumed from step {progress.resumed_from_step}")
         if lost_targets:
-            return _finish(s, plan, now, "superseded", out, f"{', '.join(lost_targets)} lost before the trainer resumed")
+            return _finish(s, plan, now, ReformOutcome.SUPERSEDED, out, f"{', '.join(lost_targets)} lost before the trainer resumed")
         if s.world_round > plan.round_after and s.world_agents and set(s.world_agents) != set(plan.nodes_after):
-            return _finish(s, plan, now, "superseded", out, _other_round(s, plan) + " before the trainer resumed")
+            return _finish(s, plan, now, ReformOutcome.SUPERSEDED, out, _other_round(s, plan) + " before the trainer resumed")
         elapsed = now - plan.rendezvous_done_at
         limit = settings.reform.resume_timeout.total_seconds()
         if elapsed >= limit:
-            return _finish(s, plan, now, "timeout", out, "the trainer reported no progress at the new size")
+            return _finish(s, plan, now, ReformOutcome.TIMEOUT, out, "the trainer reported no progress at the new size")
         out.again_in(limit - elapsed)
         return f"re-form {plan.generation}: waiting for the trainer to resume at the new size"
-    return _finish(s, plan, now, "superseded", out, f"unknown phase {plan.phase!r}")
+    return _finish(s, plan, now, ReformOutcome.SUPERSEDED, out, f"unknown phase {plan.phase.value!r}")
 
 
 def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:
@@ -618,23 +619,23 @@ def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:
     return f"round {s.world_round} formed with {formed}, not the planned {', '.join(plan.nodes_after)}"
 
 
-def _finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: str, out: _Out, why: str) -> str:
+def _finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome, out: _Out, why: str) -> str:
     """End the plan. A completed one is told on each of the job's pods (a Normal Event
     ``Resized``); one that did not complete is abandoned loudly (a Warning Event on each of
     the job's pods; the trace and the metric carry ``why``) and decided afresh at once."""
-    done = dataclasses.replace(plan, phase=DONE, outcome=outcome, finished_at=now, why=why)
+    done = dataclasses.replace(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
-    if outcome == "completed":
+    if outcome == ReformOutcome.COMPLETED:
         message = resize_message(done)
         for pod in s.pods:
             out.actions.append(PostEvent(ObjectRef("Pod", pod.name, pod.namespace, pod.uid), "Normal", "Resized", message))
     else:
-        message = f"re-form {plan.generation} ({plan.cause}, phase {plan.phase}) abandoned, {outcome}: {why}"
+        message = f"re-form {plan.generation} ({plan.cause.value}, phase {plan.phase.value}) abandoned, {outcome.value}: {why}"
         for pod in s.pods:
             ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)
             out.actions.append(PostEvent(ref, "Warning", "ReformAbandoned", message))
         out.again_in(0)
-    return f"re-form {plan.generation} {outcome}: {why}"
+    return f"re-form {plan.generation} {outcome.value}: {why}"
 
 
 # --- status --------------------------------------------------------------------------

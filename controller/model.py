@@ -33,6 +33,7 @@ from regroup.records import (
     Progress,
     Record,
     RecordError,
+    ReformPhase,
     ReformPlan,
     ReformRequest,
 )
@@ -611,7 +612,7 @@ class ClusterModel:
             near = self.flagged_nodes.intersection(state.members)
             near.update(self.flagged_nodes & state.world_seen)
             plan = state.plan
-            if plan is not None and plan.phase == "done" and plan.round_after == state.world_round:
+            if plan is not None and plan.phase == ReformPhase.DONE and plan.round_after == state.world_round:
                 # decide counts a completed plan's nodes in the round even if never seen there.
                 near.update(n for n in plan.nodes_after if n not in state.members)
             suspects = frozenset(state.flagged | near) if near else frozenset(state.flagged)

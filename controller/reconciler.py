@@ -38,7 +38,7 @@ from controller.snapshot import (
 )
 from controller.tracing import emit_reform_trace, phase_times, reform_end
 from regroup.keys import JobKeys
-from regroup.records import Record, ReformPlan
+from regroup.records import Record, ReformCause, ReformOutcome, ReformPhase, ReformPlan
 
 log = structlog.get_logger("regroup.controller")
 
@@ -184,27 +184,28 @@ class Reconciler:
             revision = await self.writer.compare_and_put(keys.plan, action.plan.to_json(), action.expected_revision)
         self.model.job_put(job, keys.plan[len(keys.root) :], action.plan, revision, wake=False)
         plan = action.plan
-        log.info("re-form " + plan.phase, namespace=job[0], job=job[1], generation=plan.generation,
-                 cause=plan.cause, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
+        log.info("re-form " + plan.phase.value, namespace=job[0], job=job[1], generation=plan.generation,
+                 cause=plan.cause.value, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
         if action.finished:
             self._finished(job, plan)
 
     def _finished(self, job: JobId, plan: ReformPlan) -> None:
         planned = str(plan.planned).lower()
-        if plan.outcome == "completed":
-            self.metrics.reform_duration.labels(job[0], job[1], plan.cause, planned).observe(
+        cause = plan.cause.value
+        if plan.outcome == ReformOutcome.COMPLETED:
+            self.metrics.reform_duration.labels(job[0], job[1], cause, planned).observe(
                 max(0.0, reform_end(plan) - plan.detected_at)
             )
             if plan.lost_steps > 0:
-                self.metrics.lost_steps.labels(job[0], job[1], plan.cause).inc(plan.lost_steps)
-        self.metrics.reforms.labels(job[0], job[1], plan.cause, planned).inc()
-        if plan.outcome != "completed":
-            phase = "resume" if plan.rendezvous_done_at else ("rendezvous" if plan.reform_requested_at else "checkpoint")
-            self.metrics.abandoned.labels(job[0], job[1], plan.cause, phase, plan.outcome).inc()
+                self.metrics.lost_steps.labels(job[0], job[1], cause).inc(plan.lost_steps)
+        self.metrics.reforms.labels(job[0], job[1], cause, planned).inc()
+        if plan.outcome != ReformOutcome.COMPLETED:
+            phase = _abandoned_in(plan).value
+            self.metrics.abandoned.labels(job[0], job[1], cause, phase, plan.outcome.value).inc()
             log.warning("re-form abandoned", namespace=job[0], job=job[1], generation=plan.generation,
-                        phase=phase, outcome=plan.outcome, why=plan.why)
+                        phase=phase, outcome=plan.outcome.value, why=plan.why)
         for phase, (start, end) in phase_times(plan).items():
-            self.metrics.phase_duration.labels(plan.cause, phase).observe(max(0.0, end - start))
+            self.metrics.phase_duration.labels(cause, phase).observe(max(0.0, end - start))
         emit_reform_trace(self.tracer_provider, job[0], job[1], plan)
 
     async def _cordon(self, action: Cordon, now: float) -> None:
@@ -219,7 +220,7 @@ class Reconciler:
             log.warning("cordoning node", node=action.node, reason=action.reason)
             await self.actuator.cordon(action.node, action.reason, self.settings.cordon.taint_key, now)
             self.model.cordoned.add(action.node)
-            self.metrics.cordons.labels("restart-storm").inc()
+            self.metrics.cordons.labels(ReformCause.RESTART_STORM.value).inc()
 
     async def _post_event(self, action: PostEvent, now: float) -> None:
         ref = action.ref
@@ -258,3 +259,10 @@ class Reconciler:
         if rounds > seen:
             self.metrics.rounds.labels(*job).inc(rounds - seen)
         self._rounds[job] = rounds
+
+
+def _abandoned_in(plan: ReformPlan) -> ReformPhase:
+    """The phase a finished but not completed ``plan`` was in when it was given up."""
+    if plan.rendezvous_done_at:
+        return ReformPhase.RESUME
+    return ReformPhase.RENDEZVOUS if plan.reform_requested_at else ReformPhase.CHECKPOINT

@@ -7,13 +7,13 @@ sighting of the signal to the trainer's first step at the new size.
 
 from __future__ import annotations
 
-from regroup.records import ReformPlan
+from regroup.records import ReformCause, ReformOutcome, ReformPlan
 
 _CAUSES = {
-    "reclaim": "reclaim of",
-    "node-lost": "loss of",
-    "restart-storm": "restart storm on",
-    "grow": "grow with",
+    ReformCause.RECLAIM: "reclaim of",
+    ReformCause.NODE_LOST: "loss of",
+    ReformCause.RESTART_STORM: "restart storm on",
+    ReformCause.GROW: "grow with",
 }
 """How each cause reads before the nodes it concerns (``ReformPlan.cause``); any other
 cause (``manual``) reads ``manual: n5 left``."""
@@ -21,7 +21,7 @@ cause (``manual``) reads ``manual: n5 left``."""
 
 def reform_end(plan: ReformPlan) -> float:
     """When the re-form ended: the trainer's resume, or the moment the plan was given up."""
-    return plan.resumed_at if plan.outcome == "completed" and plan.resumed_at else plan.finished_at
+    return plan.resumed_at if plan.outcome == ReformOutcome.COMPLETED and plan.resumed_at else plan.finished_at
 
 
 def reform_seconds(plan: ReformPlan) -> float:
@@ -35,14 +35,15 @@ def resize_message(plan: ReformPlan) -> str:
     left = sorted(set(before) - set(after))
     joined = sorted(set(after) - set(before))
     what = _CAUSES.get(plan.cause)
+    grow = plan.cause == ReformCause.GROW
     if what is None:
         moves = [f"{', '.join(nodes)} {verb}" for nodes, verb in ((left, "left"), (joined, "joined")) if nodes]
-        cause = f"{plan.cause}: {'; '.join(moves)}" if moves else plan.cause
+        cause = f"{plan.cause.value}: {'; '.join(moves)}" if moves else plan.cause.value
     else:
-        main, other = (joined, left) if plan.cause == "grow" else (left, joined)
-        cause = f"{what} {', '.join(main)}" if main else plan.cause
+        main, other = (joined, left) if grow else (left, joined)
+        cause = f"{what} {', '.join(main)}" if main else plan.cause.value
         if other:
-            cause += f" ({', '.join(other)} {'left' if plan.cause == 'grow' else 'joined'})"
+            cause += f" ({', '.join(other)} {'left' if grow else 'joined'})"
     if plan.lost_steps < 0:
         lost = "steps lost unknown"
     else:

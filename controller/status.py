@@ -16,7 +16,16 @@ from controller.reform_summary import reform_seconds, resize_message
 from controller.tracing import phase_times
 from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
 from regroup.keys import JobKeys
-from regroup.records import Exclusions, JobStatus, MemberRecord, Progress, RecordError, ReformPlan
+from regroup.records import (
+    Exclusions,
+    JobStatus,
+    MemberRecord,
+    Progress,
+    RecordError,
+    ReformOutcome,
+    ReformPhase,
+    ReformPlan,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,17 +61,19 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
                 report["excluded"] = dict(Exclusions.from_json(kv.value).nodes)
             elif rest == "control/plan":
                 plan = ReformPlan.from_json(kv.value)
+                done = plan.phase == ReformPhase.DONE
                 report["last_reform"] = {
-                    "generation": plan.generation, "cause": plan.cause, "planned": plan.planned, "phase": plan.phase,
-                    "outcome": plan.outcome, "reason": plan.reason, "fallback": plan.fallback, "why": plan.why,
+                    "generation": plan.generation, "cause": plan.cause.value, "planned": plan.planned,
+                    "phase": plan.phase.value, "outcome": plan.outcome.value, "reason": plan.reason,
+                    "fallback": plan.fallback, "why": plan.why,
                     "world_size_before": len(plan.nodes_before), "world_size_after": len(plan.nodes_after),
                     "lost_steps": plan.lost_steps, "trace_id": plan.trace_id,
-                    "duration_s": round(reform_seconds(plan), 3) if plan.phase == "done" else None,
+                    "duration_s": round(reform_seconds(plan), 3) if done else None,
                     # The message of the re-form's Resized Event: etcd keeps only the last re-form;
                     # earlier ones are in the Events (kubectl get events --field-selector reason=Resized).
-                    "summary": resize_message(plan) if plan.phase == "done" and plan.outcome == "completed" else "",
+                    "summary": resize_message(plan) if done and plan.outcome == ReformOutcome.COMPLETED else "",
                     "phases_s": {k: round(max(0.0, e - s), 3) for k, (s, e) in phase_times(plan).items()}
-                    if plan.phase == "done" else {},
+                    if done else {},
                 }
         except RecordError as exc:
             report.setdefault("unreadable", []).append(f"{rest}: {exc}")
@@ -95,7 +106,7 @@ def render(report: dict[str, Any]) -> str:
         head = (f"  last re-form: #{last['generation']} {last['cause']} "
                 f"({'planned' if last['planned'] else 'unplanned'}) {last['world_size_before']} -> "
                 f"{last['world_size_after']} nodes, {last['phase']}")
-        if last["phase"] == "done":
+        if last["phase"] == ReformPhase.DONE:
             head += f", {last['outcome']} in {last['duration_s']}s, lost steps {last['lost_steps']}"
         lines.append(head)
         if last.get("summary"):
@@ -104,7 +115,7 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"    {phase:<11} {seconds:8.3f}s")
         if last["fallback"]:
             lines.append(f"    fell back to unplanned: {last['fallback']}")
-        if last["outcome"] not in ("", "completed"):
+        if last["outcome"] not in (ReformOutcome.PENDING, ReformOutcome.COMPLETED):
             lines.append(f"    abandoned: {last['why']}")
     for node, why in sorted(report.get("excluded", {}).items()):
         lines.append(f"  excluded: {node} ({why}): its agent waits instead of joining")

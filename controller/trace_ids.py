@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 
-PHASES = ("detect", "checkpoint", "rendezvous", "resume")
+from regroup.records import TRACED_PHASES
+
+PHASES = TRACED_PHASES
 
 
 def new_trace_id(namespace: str, job: str, generation: int, decided_at: float) -> str:

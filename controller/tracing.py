@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from controller.reform_summary import reform_end
 from controller.trace_ids import span_id
-from regroup.records import Progress, ReformPlan
+from regroup.records import DETECT_PHASE, Progress, ReformOutcome, ReformPhase, ReformPlan
 
 
 class _FixedIds(IdGenerator):
@@ -40,15 +40,17 @@ def _ns(t: float) -> int:
 
 
 def phase_times(plan: ReformPlan) -> dict[str, tuple[float, float]]:
-    """(start, end) unix times of each phase the re-form went through."""
+    """(start, end) unix times of each phase the re-form went through, by its name in
+    ``TRACED_PHASES`` (a plain string: it names spans and labels metrics)."""
     end = plan.finished_at
-    phases: dict[str, tuple[float, float]] = {"detect": (plan.detected_at, plan.decided_at)}
+    phases: dict[str, tuple[float, float]] = {DETECT_PHASE: (plan.detected_at, plan.decided_at)}
     if plan.checkpoint_requested_at:
-        phases["checkpoint"] = (plan.checkpoint_requested_at, plan.acked_at or plan.reform_requested_at or end)
+        checkpoint_end = plan.acked_at or plan.reform_requested_at or end
+        phases[ReformPhase.CHECKPOINT.value] = (plan.checkpoint_requested_at, checkpoint_end)
     if plan.reform_requested_at:
-        phases["rendezvous"] = (plan.reform_requested_at, plan.rendezvous_done_at or end)
+        phases[ReformPhase.RENDEZVOUS.value] = (plan.reform_requested_at, plan.rendezvous_done_at or end)
     if plan.rendezvous_done_at:
-        phases["resume"] = (plan.rendezvous_done_at, plan.resumed_at or end)
+        phases[ReformPhase.RESUME.value] = (plan.rendezvous_done_at, plan.resumed_at or end)
     return phases
 
 
@@ -58,7 +60,7 @@ def resume_phase_times(plan: ReformPlan) -> dict[str, tuple[float, float]]:
     The trainer reports durations, not moments: they are laid back to back from the resume
     span's start and clipped to its end, which is when the controller saw the new progress.
     """
-    window = phase_times(plan).get("resume")
+    window = phase_times(plan).get(ReformPhase.RESUME.value)
     if window is None:
         return {}
     start, end = window[0], max(window)
@@ -89,13 +91,13 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
     attributes = {
         "regroup.job": job,
         "regroup.namespace": namespace,
-        "regroup.cause": plan.cause,
+        "regroup.cause": plan.cause.value,
         "regroup.world_size.before": len(plan.nodes_before),
         "regroup.world_size.after": len(plan.nodes_after),
         "regroup.planned": plan.planned,
         "regroup.lost_steps": plan.lost_steps,
         "regroup.generation": plan.generation,
-        "regroup.outcome": plan.outcome,
+        "regroup.outcome": plan.outcome.value,
         "regroup.reason": plan.reason,
     }
     if plan.fallback:
@@ -113,13 +115,14 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
         ids.span_id = int(span_id(plan.trace_id, phase), 16)
         child = tracer.start_span(f"regroup.{phase}", context=parent, start_time=_ns(start),
                                   attributes={"regroup.job": job, "regroup.generation": plan.generation})
-        if phase == "checkpoint" and plan.fallback:
+        if phase == ReformPhase.CHECKPOINT and plan.fallback:
             child.set_status(Status(StatusCode.ERROR, plan.fallback))
-        if phase == "resume":
+        if phase == ReformPhase.RESUME:
             _resume_children(tracer, ids, plan, child, job)
         child.end(end_time=_ns(max(start, end)))
-    if plan.outcome != "completed":
-        root.set_status(Status(StatusCode.ERROR, f"{plan.outcome}: {plan.why}" if plan.why else plan.outcome))
+    if plan.outcome != ReformOutcome.COMPLETED:
+        outcome = plan.outcome.value
+        root.set_status(Status(StatusCode.ERROR, f"{outcome}: {plan.why}" if plan.why else outcome))
     root.end(end_time=_ns(max(plan.detected_at, reform_end(plan))))
 
 

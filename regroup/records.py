@@ -8,11 +8,57 @@ version with a clear error, so pods of two versions can share a job. Never pickl
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 SCHEMA_VERSION = 1
+
+
+class ReformPhase(enum.StrEnum):
+    """Where a re-form stands (``ReformPlan.phase``); stored as the plain value."""
+
+    CHECKPOINT = "checkpoint"
+    """Waiting for the trainers' checkpoint ack (planned re-forms only)."""
+    RENDEZVOUS = "rendezvous"
+    """The next round is published; waiting for its members to form it."""
+    RESUME = "resume"
+    """The round formed; waiting for the trainer's first progress at the new size."""
+    DONE = "done"
+    """Finished, with an ``outcome``."""
+
+
+class ReformCause(enum.StrEnum):
+    """Why a re-form started (``ReformPlan.cause``, the span attribute ``regroup.cause``)."""
+
+    RECLAIM = "reclaim"
+    NODE_LOST = "node-lost"
+    GROW = "grow"
+    RESTART_STORM = "restart-storm"
+    MANUAL = "manual"
+
+
+class ReformOutcome(enum.StrEnum):
+    """How a re-form ended (``ReformPlan.outcome``)."""
+
+    PENDING = ""
+    """Not finished yet."""
+    COMPLETED = "completed"
+    TIMEOUT = "timeout"
+    SUPERSEDED = "superseded"
+
+
+DETECT_PHASE = "detect"
+"""The traced phase before the decision: from the first sighting of the signal to the plan."""
+
+TRACED_PHASES: tuple[str, ...] = (
+    DETECT_PHASE,
+    ReformPhase.CHECKPOINT.value,
+    ReformPhase.RENDEZVOUS.value,
+    ReformPhase.RESUME.value,
+)
+"""Child spans of a re-form's trace (``regroup.<phase>``), in the order they happen."""
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -67,7 +113,7 @@ class Record:
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in body.items() if k in names})
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # ValueError: a value an enum field does not know
             raise RecordError(f"{cls.kind}: {exc}") from exc
 
 
@@ -126,6 +172,8 @@ class ReformRequest(Record):
     kind: ClassVar[str] = "reform"
     generation: int
     cause: str
+    """A ``ReformCause`` value, kept a plain string: an agent acts on a request whose cause
+    it does not know (one from a newer controller) instead of refusing the record."""
     reason: str = ""
     traceparent: str = ""
     requested_at: float = 0.0
@@ -201,12 +249,10 @@ class ReformPlan(Record):
 
     kind: ClassVar[str] = "plan"
     generation: int
-    cause: str
-    """reclaim, node-lost, grow, restart-storm or manual."""
+    cause: ReformCause
     planned: bool
     """True while the re-form goes through a checkpoint first."""
-    phase: str
-    """checkpoint, rendezvous, resume or done."""
+    phase: ReformPhase
     reason: str
     nodes_before: list[str]
     nodes_after: list[str]
@@ -232,8 +278,8 @@ class ReformPlan(Record):
     resumed_at: float = 0.0
     resumed_from_step: int = -1
     lost_steps: int = -1
-    outcome: str = ""
-    """completed, timeout or superseded once ``phase`` is done."""
+    outcome: ReformOutcome = ReformOutcome.PENDING
+    """Set once ``phase`` is done."""
     finished_at: float = 0.0
     why: str = ""
     """Why the plan ended as it did: for ``timeout`` and ``superseded``, the reason it was
@@ -242,6 +288,14 @@ class ReformPlan(Record):
     """``progress.reform_mode`` of the world the trainer resumed in ("" unknown)."""
     resume_phases: dict[str, float] = field(default_factory=dict)
     """``progress.resume_phases`` of that world: where the resume phase's time went."""
+
+    def __post_init__(self) -> None:
+        # JSON (and older callers) hand in plain strings; an unknown one raises ValueError,
+        # which ``from_json`` reports as a RecordError.
+        for name, kind in (("cause", ReformCause), ("phase", ReformPhase), ("outcome", ReformOutcome)):
+            value = getattr(self, name)
+            if type(value) is not kind:
+                object.__setattr__(self, name, kind(value))
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from regroup.records import Progress
+from regroup.records import TRACED_PHASES, Progress, ReformPhase
 from regroup.telemetry import read_spans
 
 REFORM_SPAN = "regroup.reform"
-PHASES: tuple[str, ...] = ("detect", "checkpoint", "rendezvous", "resume")
+PHASES: tuple[str, ...] = TRACED_PHASES
 RESUME_PHASES: tuple[str, ...] = Progress.RESUME_PHASES
 _RESUME_ATTR = "regroup.resume."
 
@@ -86,7 +86,7 @@ def reforms_from_spans(spans: list[dict[str, Any]]) -> list[Reform]:
             phase = child["name"].removeprefix("regroup.")
             if phase in PHASES:
                 phases[phase] = phases.get(phase, 0.0) + (child["end_ns"] - child["start_ns"]) / 1e9
-            if phase == "resume":
+            if phase == ReformPhase.RESUME:
                 resume_phases.update(_resume_phases(child["attributes"]))
         reforms.append(
             Reform(

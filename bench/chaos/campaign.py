@@ -33,6 +33,7 @@ from bench.chaos.job import GLOBAL_BATCH, ChaosJob, JobShape, Shutdown
 from bench.chaos.observe import Finding
 from bench.chaos.plan import CONTROLLER_KILL, KINDS, Fault, draw_plan
 from regroup.demo.nodes import RunLayout
+from regroup.records import ReformPhase
 from trainer.checkpoint import list_steps
 
 log = structlog.get_logger("bench.chaos")
@@ -178,7 +179,7 @@ def _reform_finished(job: ChaosJob, fault: Fault, injection: Injection) -> bool:
         return True
     assert job.watcher is not None
     plan = job.watcher.view.plan
-    return plan is not None and (plan.generation > injection.plan_generation or plan.phase == "done")
+    return plan is not None and (plan.generation > injection.plan_generation or plan.phase == ReformPhase.DONE)
 
 
 async def run_campaign(settings: CampaignSettings) -> CampaignResult:

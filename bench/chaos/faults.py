@@ -32,6 +32,7 @@ from bench.chaos.plan import (
     Fault,
 )
 from regroup.demo.scenario import DEFAULT_RECLAIM_TAINT
+from regroup.records import ReformPhase
 
 log = structlog.get_logger("bench.chaos")
 
@@ -215,8 +216,8 @@ async def _controller_kill(job: ChaosJob, fault: Fault) -> Injection:
     at = time.time()
     await job.stop_controller()
     new = await job.start_controller()
-    phase = f"plan generation {plan.generation} in phase {plan.phase}" if plan is not None else "no plan"
-    generation = plan.generation if plan is not None and plan.phase != "done" else None
+    phase = f"plan generation {plan.generation} in phase {plan.phase.value}" if plan is not None else "no plan"
+    generation = plan.generation if plan is not None and plan.phase != ReformPhase.DONE else None
     return Injection(at, old, f"{phase}; {new} took over", came, provoked, job.world(), generation)
 
 

@@ -22,7 +22,7 @@ from regroup.demo.nodes import RunLayout
 from regroup.demo.recorder import JobRecorder
 from regroup.etcd import EtcdSettings
 from regroup.keys import JobKeys
-from regroup.records import CheckpointAck, Progress, RecordError
+from regroup.records import CheckpointAck, Progress, RecordError, ReformPhase
 from rendezvous.records import JoinRecord, RoundState
 from trainer.checkpoint import list_steps  # brings torch: imported before any event loop runs
 
@@ -130,7 +130,7 @@ class JobWatcher(JobRecorder):
 
     def reform_in_flight(self) -> bool:
         plan = self.view.plan
-        return plan is not None and plan.phase != "done"
+        return plan is not None and plan.phase != ReformPhase.DONE
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from regroup.records import SCHEMA_VERSION, ReformPlan
+from regroup.records import DETECT_PHASE, SCHEMA_VERSION, ReformCause, ReformPlan
 from regroup.telemetry import read_spans
 from regroup.trace_report import Reform, reforms_from_spans
 
@@ -340,7 +340,7 @@ class EventImpact:
 
 def run_reforms(run: RunData) -> list[Reform]:
     """The re-forms decided once training had started (the job's initial formation is not churn)."""
-    return [r for r in reforms_from_spans(run.spans) if r.start + r.phases.get("detect", 0.0) >= run.started_at]
+    return [r for r in reforms_from_spans(run.spans) if r.start + r.phases.get(DETECT_PHASE, 0.0) >= run.started_at]
 
 
 def _cause_index(times: list[float], moment: float, slack: float) -> int | None:
@@ -364,7 +364,7 @@ def event_impacts(run: RunData, slack: float = 1.0) -> list[EventImpact]:
     stops: list[list[Interruption]] = [[] for _ in scripted]
     for reform in run_reforms(run):
         # Detection may begin before the event (a joiner seen earlier); the decision follows it.
-        decided = reform.start + reform.phases.get("detect", 0.0)
+        decided = reform.start + reform.phases.get(DETECT_PHASE, 0.0)
         i = _cause_index(times, decided, slack)
         if i is not None:
             reforms[i].append(reform)
@@ -499,7 +499,7 @@ def grow_decided_at(run: RunData, after: float, before: float | None = None) -> 
     """When the controller closed the join window of the first grow it decided in
     [``after``, ``before``): the grow plan's ``decided_at``; None without one."""
     for plan in reform_plans(run):
-        if plan.cause == "grow" and plan.decided_at >= after and (before is None or plan.decided_at < before):
+        if plan.cause == ReformCause.GROW and plan.decided_at >= after and (before is None or plan.decided_at < before):
             return plan.decided_at
     return None
 
@@ -585,7 +585,7 @@ def world_changes(run: RunData) -> list[WorldChange]:
                 ranks_after=start.world_size,
                 mode=next((p.reform_mode for p in world if p.reform_mode), ""),
                 resume_phases=dict(next((p.resume_phases for p in world if p.resume_phases), {})),
-                cause=plan.cause if plan is not None else "",
+                cause=plan.cause.value if plan is not None else "",
                 planned=plan.planned if plan is not None else False,
                 plan_mode=plan.mode if plan is not None else "",
             )

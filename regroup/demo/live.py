@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from regroup.demo.recorder import JobView
-from regroup.records import Progress
+from regroup.records import Progress, ReformPhase
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class LiveSnapshot:
 def phase_of(view: JobView, now: float, stale_after: float = 3.0) -> str:
     """The job's current phase in a few words, from the controller's plan and progress."""
     plan = view.plan
-    if plan is not None and plan.phase != "done":
-        return f"re-forming ({plan.cause}, {'planned' if plan.planned else 'unplanned'}): {plan.phase}"
+    if plan is not None and plan.phase != ReformPhase.DONE:
+        return f"re-forming ({plan.cause.value}, {'planned' if plan.planned else 'unplanned'}): {plan.phase.value}"
     status = view.status
     if status is not None and status.state in ("stalled", "waiting", "bad-config"):
         return f"{status.state}: {status.reason}"

@@ -31,7 +31,7 @@ from regroup.demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
 from regroup.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
-from regroup.records import Progress
+from regroup.records import Progress, ReformPhase
 
 log = structlog.get_logger("regroup.demo")
 
@@ -177,8 +177,8 @@ def _unsettled(run: _Run, final: bool = False) -> str:
             dealt_with = run.dealt_with.setdefault(flaky.node, time.time())
             if view.progress_seen_at < dealt_with + 2.0:
                 return f"no training since {flaky.node} was dealt with"
-    if view.plan is not None and view.plan.phase != "done":
-        return f"re-form {view.plan.generation} ({view.plan.cause}) in phase {view.plan.phase}"
+    if view.plan is not None and view.plan.phase != ReformPhase.DONE:
+        return f"re-form {view.plan.generation} ({view.plan.cause.value}) in phase {view.plan.phase.value}"
     if run.cluster is not None:
         low, high = _world_bounds(run)
         if not low <= view.progress.world_size <= high:

@@ -22,7 +22,18 @@ from regroup.etcd import (
 )
 from regroup.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
-from regroup.records import CheckpointRequest, MemberRecord, Progress, RecordError, ReformRequest
+from regroup.records import (
+    TRACED_PHASES,
+    CheckpointRequest,
+    MemberRecord,
+    Progress,
+    RecordError,
+    ReformCause,
+    ReformOutcome,
+    ReformPhase,
+    ReformPlan,
+    ReformRequest,
+)
 
 
 def test_job_keys_are_namespaced_and_parse_back() -> None:
@@ -69,6 +80,41 @@ def test_records_refuse_newer_schema_wrong_kind_and_garbage() -> None:
         Progress.from_json(b"\x80pickle")
     with pytest.raises(RecordError, match="missing"):
         Progress.from_json(b'{"v": 1, "kind": "progress", "step": 1}')
+
+
+_STORED_PLAN = (
+    b'{"ack_step":-1,"acked_at":0.0,"cause":"node-lost","checkpoint_deadline":0.0,"checkpoint_requested_at":0.0,'
+    b'"decided_at":2.0,"detected_at":1.0,"fallback":"","finished_at":0.0,"generation":4,"kind":"plan",'
+    b'"lost_steps":-1,"mode":"","nodes_after":["n1"],"nodes_before":["n1","n2"],"outcome":"","phase":"rendezvous",'
+    b'"planned":false,"progress_revision":0,"reason":"lost n2","reform_requested_at":0.0,"rendezvous_done_at":0.0,'
+    b'"resume_phases":{},"resumed_at":0.0,"resumed_from_step":-1,"round_after":0,"round_before":0,"step_before":-1,'
+    b'"trace_id":"cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd","v":1,"why":"","world_size_target":0}'
+)
+"""A plan in flight as regroup wrote it while phase, cause and outcome were plain strings."""
+
+
+def test_a_plan_stores_phase_cause_and_outcome_as_the_same_plain_strings() -> None:
+    plan = ReformPlan.from_json(_STORED_PLAN)
+    assert (plan.phase, plan.cause, plan.outcome) == (ReformPhase.RENDEZVOUS, ReformCause.NODE_LOST, ReformOutcome.PENDING)
+    assert type(plan.phase) is ReformPhase and type(plan.cause) is ReformCause and type(plan.outcome) is ReformOutcome
+    assert plan.to_json() == _STORED_PLAN
+    done = ReformPlan.from_json(plan.to_json().replace(b'"phase":"rendezvous"', b'"phase":"done"')
+                                .replace(b'"outcome":""', b'"outcome":"completed"'))
+    assert (done.phase, done.outcome) == (ReformPhase.DONE, ReformOutcome.COMPLETED)
+    assert b'"phase":"done"' in done.to_json() and b'"outcome":"completed"' in done.to_json()
+
+
+def test_a_plan_with_a_phase_cause_or_outcome_this_reader_does_not_know_is_refused() -> None:
+    for field, value in (("phase", "drain"), ("cause", "preempt"), ("outcome", "vanished"), ("phase", None)):
+        body = json.loads(_STORED_PLAN)
+        body[field] = value
+        with pytest.raises(RecordError, match="plan"):
+            ReformPlan.from_json(json.dumps(body))
+
+
+def test_the_traced_phases_are_detect_then_the_plan_phases_before_done() -> None:
+    assert TRACED_PHASES == ("detect", "checkpoint", "rendezvous", "resume")
+    assert TRACED_PHASES[1:] == tuple(p.value for p in ReformPhase if p is not ReformPhase.DONE)
 
 
 def test_parse_endpoints() -> None:
