@@ -1,0 +1,102 @@
+"""``decide(snapshot, now, settings) -> Decision``: the controller's whole policy, pure.
+
+Level-triggered: the same snapshot gives the same actions, and every write it asks for
+is checked against what etcd already holds, so repeating a decision is harmless. One
+re-form at a time per job: while ``control/plan`` is in flight, new signals only steer
+that plan (a node lost mid-checkpoint forces the unplanned path) or wait for the next.
+
+``health`` classifies the job's nodes, ``start`` begins a re-form, ``phases`` advances
+the one in flight, ``writes`` holds the records that carry a plan, ``job_status`` the
+job's verdict, ``alerts`` the warnings that change nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from controller.cluster import ObjectRef
+from controller.decide.alerts import flapping, rendezvous_on_gpu
+from controller.decide.health import assess, keep_exclusions, restart_storms, waiting_joiners, world_of
+from controller.decide.job_status import write_status
+from controller.decide.out import Out, summarize
+from controller.decide.phases import advance
+from controller.decide.situation import Situation
+from controller.decide.start import start
+from controller.decide.writes import finish
+from controller.disruption import pod_notices
+from controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig, resolve_job_config
+from controller.settings import ControllerSettings
+from controller.snapshot import Alerts, Decision, JobSnapshot, PostEvent, WritePresence
+from regroup.records import ControllerPresence, ReformOutcome, ReformPhase
+
+__all__ = ["Decision", "decide", "summarize"]
+
+
+def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision:
+    """Everything the controller wants done for job ``s`` at ``now``, with the reason."""
+    out = Out()
+    resolved = s.resolved if s.resolved is not None else resolve_job_config(s.pods, settings.jobs)
+    for problem in resolved.problems:
+        ref = ObjectRef("Pod", problem.pod.name, problem.pod.namespace, problem.pod.uid)
+        out.actions.append(PostEvent(ref, "Warning", problem.kind, problem.message))
+    if s.presence is None or s.presence.identity != s.identity:
+        out.actions.append(WritePresence(ControllerPresence(identity=s.identity, since=now)))
+    gpu = rendezvous_on_gpu(s, resolved.rendezvous_pods, out)
+    flaps = flapping(s, now, settings, resolved.newest, out)
+    world = world_of(s)
+    config = resolved.config
+    if config is None:
+        return _unconfigured(s, now, resolved.problems, world, out, flaps, gpu)
+    if s.finished:
+        return _finished(s, now, world, config, out, flaps, gpu)
+    return _running(s, now, settings, resolved, config, world, out, flaps, gpu)
+
+
+def _unconfigured(
+    s: JobSnapshot, now: float, problems: Sequence[ConfigProblem], world: frozenset[str], out: Out, flaps: bool, gpu: bool
+) -> Decision:
+    """No worker pods, or bad annotations: the job is left alone and says why."""
+    bad = any(p.kind == "BadConfig" for p in problems)
+    reason = "bad configuration: " + "; ".join(p.message for p in problems) if bad else "no worker pods"
+    write_status(s, out, "bad-config" if bad else "waiting", reason, world, None, now)
+    return out.decision(reason, len(world), None, Alerts(bad_config=bad, flapping=flaps, rendezvous_on_gpu=gpu))
+
+
+def _finished(
+    s: JobSnapshot, now: float, world: frozenset[str], config: JobConfig, out: Out, flaps: bool, gpu: bool
+) -> Decision:
+    """The agents closed the rendezvous: training is over. Nothing to re-form, ever."""
+    if s.plan is not None and s.plan.phase != ReformPhase.DONE:
+        finish(s, s.plan, now, ReformOutcome.SUPERSEDED, out, "the job finished (its rendezvous is closed)")
+    reason = "finished: the job's rendezvous is closed"
+    write_status(s, out, "finished", reason, world, config, now)
+    return out.decision(reason, len(world), config, Alerts(flapping=flaps, rendezvous_on_gpu=gpu))
+
+
+def _running(
+    s: JobSnapshot,
+    now: float,
+    settings: ControllerSettings,
+    resolved: ResolvedConfig,
+    config: JobConfig,
+    world: frozenset[str],
+    out: Out,
+    flaps: bool,
+    gpu: bool,
+) -> Decision:
+    """A configured, running job: advance the re-form in flight, or start one if needed."""
+    disrupted = s.disrupted.values() if s.disrupted is not None else [p for p in s.pods if p.disruption is not None]
+    health = assess(s, world, config, now, pod_notices(disrupted, resolved.workers_by_node, s.first_seen, now))
+    restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
+    keep_exclusions(s, config, health, now, out)
+    joiners = waiting_joiners(s, world, health, now, out)
+    sit = Situation(s, now, settings, config, health, out)
+    plan = s.plan
+    if plan is not None and plan.phase != ReformPhase.DONE:
+        reason, state, stalled = advance(sit, plan), "reforming", False
+    else:
+        reason, stalled = start(sit, world, joiners, resolved.newest)
+        state = "stalled" if stalled else ("reforming" if out.actions and out.started() else "healthy")
+    live = sorted([n for n in world if n not in health.lost] if health.lost else world)
+    write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu)
+    return out.decision(reason, len(live), config, Alerts(stalled=stalled, flapping=flaps, rendezvous_on_gpu=gpu))

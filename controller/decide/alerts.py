@@ -1,0 +1,52 @@
+"""Job-level alerts that do not change what is re-formed: a rendezvous pod on a GPU node,
+and rendezvous rounds flapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from controller.cluster import ObjectRef, PodInfo
+from controller.decide.out import Out
+from controller.settings import ControllerSettings
+from controller.snapshot import JobSnapshot, PostEvent
+
+
+def rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: Out) -> bool:
+    """Warn on each of the job's rendezvous ``pods`` that runs on a GPU node; whether any does."""
+    alert = False
+    for pod in pods:
+        if pod.node is None:
+            continue
+        node = s.nodes.get(pod.node)
+        if node is not None and node.has_gpus:
+            alert = True
+            out.actions.append(
+                PostEvent(
+                    ObjectRef("Pod", pod.name, pod.namespace, pod.uid),
+                    "Warning",
+                    "RendezvousOnGPUNode",
+                    f"rendezvous pod {pod.name} runs on GPU node {pod.node}: a reclaim of that node takes the "
+                    "job's etcd with it; pin it to CPU nodes",
+                )
+            )
+    return alert
+
+
+def flapping(s: JobSnapshot, now: float, settings: ControllerSettings, newest: PodInfo | None, out: Out) -> bool:
+    """Whether the job's rounds advanced too often within the flapping window (warned on ``newest``)."""
+    window = settings.reform.flapping_window.total_seconds()
+    recent = [t for t in s.round_times if now - window <= t <= now]
+    if len(recent) < settings.reform.flapping_rounds:
+        return False
+    if newest is not None:
+        out.actions.append(
+            PostEvent(
+                ObjectRef("Pod", newest.name, newest.namespace, newest.uid),
+                "Warning",
+                "RendezvousFlapping",
+                f"job {s.job}: {len(recent)} rendezvous rounds within {settings.reform.flapping_window}",
+            )
+        )
+    # Requeue so the alert clears once the window has passed.
+    out.again_in(min(recent) + window - now)
+    return True

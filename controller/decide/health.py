@@ -1,0 +1,224 @@
+"""The job's nodes at this moment: lost, leaving (reclaim notices), storming, or joining.
+
+Also the writes that follow from that alone, whatever the re-form: cordons for restart
+storms and ``control/excluded`` for the leaving nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from controller.cluster import ObjectRef, PodInfo
+from controller.decide.out import Out
+from controller.disruption import PodNotice
+from controller.exclusions import LeavingNodes, exclusions_update
+from controller.jobconfig import JobConfig
+from controller.settings import ControllerSettings
+from controller.signals import ReclaimNotice, ends_earlier, member_seen_key, node_verdict, signal_key
+from controller.snapshot import Cordon, DeletePod, JobSnapshot, PostEvent
+from regroup.records import MemberRecord, ReformOutcome, ReformPhase
+
+
+@dataclass
+class Health:
+    """Per-node classification of the job's nodes at this moment."""
+
+    lost: dict[str, str] = field(default_factory=dict)
+    """node -> why it is gone for training."""
+    lost_since: dict[str, float] = field(default_factory=dict)
+    storm: set[str] = field(default_factory=set)
+    notices: dict[str, ReclaimNotice] = field(default_factory=dict)
+    seen: dict[str, float] = field(default_factory=dict)
+    """node -> when the controller first saw its notice (the detect phase starts there)."""
+    pods: dict[str, PodNotice] = field(default_factory=dict)
+    """node -> the disruption notice of the job's pod there (``DisruptionTarget``), even
+    when the pod is already terminating (it keeps the node excluded)."""
+
+
+def world_of(s: JobSnapshot) -> frozenset[str]:
+    """Nodes of the job's current round, including members that vanished from it."""
+    world = s.world_seen  # the model adds every member of world_round to it
+    plan = s.plan
+    if (
+        plan is not None
+        and plan.phase == ReformPhase.DONE
+        and plan.outcome == ReformOutcome.COMPLETED
+        and plan.round_after == s.world_round
+    ):
+        world = world.union(plan.nodes_after)
+    return world
+
+
+def assess(
+    s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float, disruptions: dict[str, PodNotice]
+) -> Health:
+    """Classify the round's nodes and the members outside it; ``disruptions`` are the pods' notices."""
+    health = Health(pods=disruptions)
+    pods = s.pods_by_name if s.pods_by_name is not None else {p.name: p for p in s.pods}
+    members, nodes, world_round = s.members, s.nodes, s.world_round
+    cached = s.verdicts if not config.reclaim_taints else None
+    for node in _candidates(s, world, disruptions):
+        member = members.get(node)
+        if member is not None and member.round == world_round:
+            # The common case, checked inline: a healthy member of the round on a clean node.
+            pod = pods.get(member.pod) if member.pod else None
+            info = nodes.get(node)
+            if (
+                (pod is not None or not member.pod)
+                and (pod is None or (not pod.deleting and pod.phase not in ("Failed", "Succeeded")))
+                and info is not None
+                and info.ready is True
+                and not info.taints
+                and not info.unschedulable
+                and node not in disruptions
+            ):
+                continue
+        lost, since = _member_loss(s, node, member, world, pods, now)
+        if lost is None:
+            lost, since = _node_notice(s, node, config, cached, health, now)
+        if lost is not None:
+            health.lost[node] = lost
+            health.lost_since[node] = min(since, now)
+    return health
+
+
+def _candidates(s: JobSnapshot, world: frozenset[str], disruptions: Mapping[str, PodNotice]) -> Iterable[str]:
+    """The nodes worth examining: the model's suspects when it has them, else all of them."""
+    members = s.members
+    if s.suspects is None:
+        return world | members.keys()
+    # Suspects are few: filter them rather than building the round's whole node set.
+    candidates: Iterable[str] = [n for n in s.suspects if n in world or n in members]
+    if disruptions:
+        extra = [n for n in disruptions if n not in s.suspects and (n in world or n in members)]
+        candidates = [*candidates, *extra]
+    return candidates
+
+
+def _member_loss(
+    s: JobSnapshot,
+    node: str,
+    member: MemberRecord | None,
+    world: frozenset[str],
+    pods: Mapping[str, PodInfo],
+    now: float,
+) -> tuple[str | None, float]:
+    """Why the node's member (its agent or pod) is gone, and since when; (None, now) if it is not."""
+    if member is None:
+        return "member lease expired", s.first_seen.get(signal_key(node, "member-gone"), now)
+    if node in world and node in s.world_agents and member.joined_at != s.world_agents[node]:
+        # A new agent registered on the node: the one in the round (and its workers) died.
+        return f"agent on {node} restarted", now
+    if member.pod:
+        pod = pods.get(member.pod)
+        if pod is None and s.pods_synced:
+            return f"pod {member.pod} deleted", s.first_seen.get(signal_key(node, "pod-gone"), now)
+        if pod is not None and pod.deleting:
+            return f"pod {member.pod} deleted or evicted", s.first_seen.get(signal_key(node, "pod-gone"), now)
+        if pod is not None and pod.phase in ("Failed", "Succeeded"):
+            return f"pod {member.pod} {pod.phase}", now
+    return None, now
+
+
+def _node_notice(
+    s: JobSnapshot, node: str, config: JobConfig, cached: Mapping | None, health: Health, now: float
+) -> tuple[str | None, float]:
+    """The node's own verdict (lost, or a reclaim notice), and its pod's disruption notice:
+    a loss wins, else the notice that ends first. Returns (why lost, since)."""
+    notice, seen = None, now
+    info = s.nodes.get(node)
+    if info is not None or s.nodes_synced:
+        verdict = cached.get(node) if cached is not None else None
+        if verdict is None:
+            verdict = node_verdict(info, node, config.reclaim_taints, s.first_seen, now)
+        if verdict.lost is not None:
+            return verdict.lost, verdict.lost_since or now
+        if verdict.notice is not None:
+            notice = verdict.notice
+            key = "unschedulable" if notice.signal == "spec.unschedulable" else "taint:" + notice.signal
+            seen = min(now, s.first_seen.get(signal_key(node, key), now))
+    pod = health.pods.get(node)
+    if pod is not None and not pod.terminating and (notice is None or ends_earlier(pod.notice, notice)):
+        notice, seen = pod.notice, pod.seen
+    if notice is not None:
+        health.notices[node] = notice
+        health.seen[node] = seen
+    return None, now
+
+
+def waiting_joiners(s: JobSnapshot, world: frozenset[str], health: Health, now: float, out: Out) -> list[str]:
+    """Healthy members waiting outside the current round, oldest first. A member on
+    probation (its own workers just failed, or are still starting up) is not one yet."""
+    world_round = s.world_round
+    waiting = []
+    for n, m in s.members.items():
+        if m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
+            continue
+        if m.not_before > now:
+            out.again_in(m.not_before - now)
+            continue
+        waiting.append(n)
+    return sorted(waiting, key=lambda n: (joiner_seen(s, n), n))
+
+
+def joiner_seen(s: JobSnapshot, node: str) -> float:
+    """When the controller first saw the member on ``node`` waiting to join."""
+    member = s.members[node]
+    return s.first_seen.get(member_seen_key(node, member.joined_at, member.round), member.joined_at)
+
+
+def keep_exclusions(s: JobSnapshot, config: JobConfig, health: Health, now: float, out: Out) -> None:
+    """Keep ``control/excluded`` equal to the job's leaving nodes (``controller.exclusions``)."""
+    leaving = LeavingNodes(health.notices, health.storm, health.pods)
+    write = exclusions_update(s, config.reclaim_taints, leaving, now)
+    if write is not None:
+        out.actions.append(write)
+
+
+def restart_storms(
+    s: JobSnapshot,
+    config: JobConfig,
+    pods_on: Mapping[str, tuple[PodInfo, ...]],
+    health: Health,
+    now: float,
+    settings: ControllerSettings,
+    out: Out,
+) -> None:
+    """Cordon (within the budget) each node with K restarts in W, delete its pods, and
+    count its member lost."""
+    window = config.storm_window.total_seconds()
+    budget = settings.cordon.budget(s.fleet.hosting_nodes)
+    cordoned, added = s.fleet.cordoned, set()  # added: cordons this decision asks for
+    k, horizon = config.storm_restarts, now - window
+    # Times are in order: the K-th newest restart decides whether K fall in the window.
+    hot = [node for node, times in s.restarts.items() if len(times) >= k and times[-k] >= horizon]
+    for node in sorted(hot):
+        times = s.restarts[node]
+        recent = [t for t in times if now - window <= t <= now]
+        if len(recent) < config.storm_restarts:
+            continue
+        health.storm.add(node)
+        out.again_in(min(recent) + window - now)
+        why = f"{len(recent)} rank restarts within {config.storm_window} (limit {config.storm_restarts}) on node {node}"
+        if node not in cordoned and node not in added:
+            if len(cordoned) + len(added) >= budget:
+                out.actions.append(
+                    PostEvent(
+                        ObjectRef("Node", node),
+                        "Warning",
+                        "CordonBudgetExhausted",
+                        f"{why}; not cordoned: {len(cordoned) + len(added)} nodes already cordoned, budget {budget}",
+                    )
+                )
+                health.storm.discard(node)
+                continue
+            added.add(node)
+            out.actions.append(Cordon(node, why))
+            out.actions.append(PostEvent(ObjectRef("Node", node), "Warning", "RestartStorm", f"cordoned: {why}"))
+        for pod in pods_on.get(node, ()):
+            if not pod.deleting:
+                out.actions.append(DeletePod(pod.namespace, pod.name, f"restart storm: {why}"))
+        if node in s.members or node in health.lost:
+            health.lost.setdefault(node, f"restart storm: {why}")
+            health.lost_since.setdefault(node, min(recent[config.storm_restarts - 1], now))

@@ -1,0 +1,43 @@
+"""``control/status``: the controller's verdict on the job, written only when it changes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from controller.decide.out import Out
+from controller.jobconfig import JobConfig
+from controller.snapshot import JobSnapshot, WriteStatus
+from regroup.records import JobStatus
+
+
+def write_status(
+    s: JobSnapshot,
+    out: Out,
+    state: str,
+    reason: str,
+    nodes: Iterable[str],
+    config: JobConfig | None,
+    now: float,
+    flapping: bool = False,
+    gpu: bool = False,
+) -> None:
+    """Ask for a ``control/status`` write when anything but the reason differs from the stored one."""
+    alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
+    nodes = sorted(nodes)
+    min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
+    old = s.status
+    # The reason alone changing (counts, phases) is not worth a write per decision.
+    if old is None or (old.state, old.world_size, old.min_nodes, old.max_nodes, old.nodes, old.alerts) != (
+        state, len(nodes), min_nodes, max_nodes, nodes, alerts
+    ):
+        status = JobStatus(
+            state=state,
+            reason=reason,
+            world_size=len(nodes),
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            nodes=nodes,
+            alerts=alerts,
+            updated_at=now,
+        )
+        out.actions.append(WriteStatus(status))

@@ -1,0 +1,48 @@
+"""What one decision collects: the actions, and when to look again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from controller.jobconfig import JobConfig
+from controller.snapshot import Action, Alerts, Decision, WritePlan
+
+
+@dataclass
+class Out:
+    """The actions a decision asks for, in order, and its requeue delays."""
+
+    actions: list[Action] = field(default_factory=list)
+    requeue: list[float] = field(default_factory=list)
+    """Seconds from now after which to look again."""
+
+    def again_in(self, seconds: float) -> None:
+        """Look again ``seconds`` from now (at once when negative); the earliest wins."""
+        self.requeue.append(max(0.0, seconds))
+
+    def started(self) -> bool:
+        """Whether this decision writes a plan, i.e. starts a re-form."""
+        return any(isinstance(a, WritePlan) for a in self.actions)
+
+    def decision(self, reason: str, world_size: int, config: JobConfig | None, alerts: Alerts) -> Decision:
+        """The collected actions as the ``Decision`` for the job."""
+        requeue = timedelta(seconds=min(self.requeue)) if self.requeue else None
+        return Decision(
+            actions=tuple(self.actions),
+            reason=reason,
+            requeue_after=requeue,
+            world_size=world_size,
+            min_nodes=config.min_nodes if config else 0,
+            max_nodes=config.max_nodes if config else 0,
+            alerts=alerts,
+        )
+
+
+def summarize(actions: Iterable[Action]) -> Mapping[str, int]:
+    """Count of actions by type, for logs."""
+    counts: dict[str, int] = {}
+    for action in actions:
+        counts[type(action).__name__] = counts.get(type(action).__name__, 0) + 1
+    return counts

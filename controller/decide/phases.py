@@ -1,0 +1,146 @@
+"""Advancing the re-form in flight, one step per phase of its plan.
+
+Each step either waits (and says for what), moves the plan to its next phase, or ends it
+(``writes.finish``): completed once the trainer resumes at the new size, superseded when
+the world it plans for can no longer form, timed out when it does not form in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from controller.decide.situation import Situation
+from controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
+from controller.signals import signal_key
+from controller.snapshot import JobSnapshot, WriteCheckpointRequest, WritePlan
+from regroup.records import ReformOutcome, ReformPhase, ReformPlan
+
+PhaseStep = Callable[[Situation, ReformPlan, list[str]], str]
+"""One phase's step: (situation, plan, its target nodes now lost) -> the decision's reason."""
+
+
+def advance(sit: Situation, plan: ReformPlan) -> str:
+    """Drive the in-flight ``plan`` one step from its phase. Returns the reason."""
+    step = PHASE_STEPS.get(plan.phase)
+    if step is None:
+        return finish(sit.s, plan, sit.now, ReformOutcome.SUPERSEDED, sit.out, f"unknown phase {plan.phase.value!r}")
+    lost_targets = sorted(n for n in plan.nodes_after if n in sit.health.lost)
+    return step(sit, plan, lost_targets)
+
+
+def _checkpoint(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
+    """Wait for the checkpoint ack, then re-form; a lost node or the deadline falls back to
+    the unplanned path instead."""
+    s, now, out, health = sit.s, sit.now, sit.out, sit.health
+    if s.checkpoint is None or s.checkpoint.generation != plan.generation:
+        out.actions.append(WriteCheckpointRequest(checkpoint_request(plan)))
+    ack = s.acks.get(plan.generation)
+    fallback = ""
+    if ack is None:
+        leaving = set(plan.nodes_before) - set(plan.nodes_after)
+        vanished = sorted(n for n in leaving if n in health.lost)
+        if lost_targets:
+            fallback = f"{', '.join(lost_targets)} lost before the checkpoint ack"
+        elif vanished:
+            fallback = f"{', '.join(vanished)} vanished before the checkpoint ack"
+        elif now >= plan.checkpoint_deadline:
+            fallback = "no checkpoint ack by the deadline"
+        else:
+            out.again_in(plan.checkpoint_deadline - now)
+            return f"re-form {plan.generation}: waiting for the checkpoint ack"
+    acked_at = min(now, s.first_seen.get(signal_key("", f"ack:{plan.generation}"), now)) if ack else now
+    nodes = [n for n in plan.nodes_after if n not in health.lost]
+    if len(nodes) < sit.config.min_nodes:
+        why = f"only {len(nodes)} target nodes left, below min {sit.config.min_nodes}"
+        return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, why)
+    updated = dataclasses.replace(
+        plan,
+        acked_at=acked_at,
+        ack_step=ack.step if ack is not None else -1,
+        planned=ack is not None,
+        fallback=fallback,
+        nodes_after=nodes,
+    )
+    updated = request_reform(s, updated, now)
+    out.actions.append(WritePlan(updated, s.plan_revision))
+    reform_writes(updated, out)
+    out.again_in(sit.settings.reform.rendezvous_timeout.total_seconds())
+    if fallback:
+        return f"re-form {plan.generation}: unplanned fallback: {fallback}"
+    return f"re-form {plan.generation}: checkpoint acked at step {ack.step if ack else -1}, re-forming"
+
+
+def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
+    """Wait for the planned nodes to form a newer round, then wait for the trainer."""
+    s, now, out = sit.s, sit.now, sit.out
+    reform_writes(plan, out, s)
+    rounds = [s.members[n].round for n in plan.nodes_after if n in s.members]
+    # Formed: the rendezvous' round record shows a newer round of exactly the planned
+    # nodes, or (without that record) every planned member reports a newer round. A
+    # newer round of other nodes (one formed while no controller led, say) is not this
+    # plan's: waiting on it would wait for a state that cannot come.
+    newer = s.world_round > plan.round_before and bool(s.world_agents)
+    if newer and set(s.world_agents) != set(plan.nodes_after):
+        return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, _other_round(s, plan))
+    formed = newer and set(plan.nodes_after) <= s.world_seen
+    if formed or (len(rounds) == len(plan.nodes_after) and all(r > plan.round_before for r in rounds)):
+        round_after = s.world_round if formed else max(rounds)
+        updated = dataclasses.replace(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=now)
+        out.actions.append(WritePlan(updated, s.plan_revision))
+        out.again_in(sit.settings.reform.resume_timeout.total_seconds())
+        return f"re-form {plan.generation}: round {round_after} formed with {len(plan.nodes_after)} nodes"
+    if lost_targets:
+        return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, f"{', '.join(lost_targets)} lost during the rendezvous")
+    elapsed = now - plan.reform_requested_at
+    limit = sit.settings.reform.rendezvous_timeout.total_seconds()
+    if elapsed >= limit:
+        return finish(s, plan, now, ReformOutcome.TIMEOUT, out, "expected members did not all join the new round")
+    out.again_in(limit - elapsed)
+    pending = [n for n in plan.nodes_after if n not in s.members or s.members[n].round <= plan.round_before]
+    return f"re-form {plan.generation}: waiting for {', '.join(pending)} to join the new round"
+
+
+def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
+    """Complete once the trainer reports progress at the planned world size."""
+    s, now, out = sit.s, sit.now, sit.out
+    reform_writes(plan, out, s)
+    progress = s.progress
+    if (
+        progress is not None
+        and s.progress_revision > plan.progress_revision
+        and (plan.world_size_target == 0 or progress.world_size == plan.world_size_target)
+    ):
+        seen = min(now, s.first_seen.get(signal_key("", "progress"), now))
+        lost_steps = max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
+        # Only the trainer's rank 0 knows how its world came to be and where the resume time
+        # went; the plan carries that to the re-form's trace.
+        resumed = dataclasses.replace(
+            plan, resumed_at=max(seen, plan.rendezvous_done_at), resumed_from_step=progress.resumed_from_step,
+            lost_steps=lost_steps, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
+        )
+        return finish(s, resumed, now, ReformOutcome.COMPLETED, out, f"resumed from step {progress.resumed_from_step}")
+    if lost_targets:
+        why = f"{', '.join(lost_targets)} lost before the trainer resumed"
+        return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, why)
+    if s.world_round > plan.round_after and s.world_agents and set(s.world_agents) != set(plan.nodes_after):
+        return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, _other_round(s, plan) + " before the trainer resumed")
+    elapsed = now - plan.rendezvous_done_at
+    limit = sit.settings.reform.resume_timeout.total_seconds()
+    if elapsed >= limit:
+        return finish(s, plan, now, ReformOutcome.TIMEOUT, out, "the trainer reported no progress at the new size")
+    out.again_in(limit - elapsed)
+    return f"re-form {plan.generation}: waiting for the trainer to resume at the new size"
+
+
+def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:
+    formed = ", ".join(sorted(s.world_agents))
+    return f"round {s.world_round} formed with {formed}, not the planned {', '.join(plan.nodes_after)}"
+
+
+PHASE_STEPS: Mapping[ReformPhase, PhaseStep] = {
+    ReformPhase.CHECKPOINT: _checkpoint,
+    ReformPhase.RENDEZVOUS: _rendezvous,
+    ReformPhase.RESUME: _resume,
+}
+"""The step for each phase of a plan in flight (``done`` has none: nothing is in flight)."""

@@ -1,0 +1,166 @@
+"""Starting a re-form when no plan is in flight: replace lost nodes, shrink ahead of a
+reclaim, shrink to max, grow with joiners, or report the job stalled below min."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from controller.cluster import ObjectRef, PodInfo
+from controller.decide.health import joiner_seen
+from controller.decide.out import Out
+from controller.decide.situation import Situation
+from controller.decide.writes import checkpoint_request, reform_writes, request_reform
+from controller.signals import ReclaimNotice
+from controller.snapshot import JobSnapshot, PostEvent, WriteCheckpointRequest, WritePlan
+from controller.trace_ids import new_trace_id
+from regroup.records import ReformCause, ReformPhase, ReformPlan
+
+
+def start(sit: Situation, world: frozenset[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
+    """Begin a re-form if the job needs one. Returns (reason, stalled)."""
+    config, health = sit.config, sit.health
+    lost = {n: r for n, r in health.lost.items() if n in world}
+    leaving = {n: notice for n, notice in health.notices.items() if n in world}
+    survivors = world - set(lost) - set(leaving)
+    if lost:
+        return _replace_lost(sit, world, _clamp(survivors, joiners, config.max_nodes), lost, newest)
+    if leaving:
+        return _shrink_for_reclaim(sit, world, _clamp(survivors, joiners, config.max_nodes), leaving, newest)
+    if len(world) > config.max_nodes:
+        return _shrink_to_max(sit, world)
+    live = len(world)
+    if joiners and live < config.max_nodes:
+        return _grow(sit, world, joiners, newest)
+    if world and live < config.min_nodes:
+        return _stall(sit.s, sit.out, newest, f"{live} nodes, below min {config.min_nodes}")
+    if joiners:
+        return f"{len(joiners)} nodes waiting, job at max {config.max_nodes}", False
+    return f"steady at {live} nodes", False
+
+
+def _replace_lost(
+    sit: Situation, world: frozenset[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None
+) -> tuple[str, bool]:
+    """Unplanned: the lost nodes' ranks are gone already, so re-form at once without them."""
+    storm_only = all(n in sit.health.storm for n in lost)
+    cause = ReformCause.RESTART_STORM if storm_only else ReformCause.NODE_LOST
+    what = ", ".join(f"{n} ({r})" for n, r in sorted(lost.items()))
+    if len(target) < sit.config.min_nodes:
+        return _stall(sit.s, sit.out, newest, f"lost {what}: {len(target)} nodes left, below min {sit.config.min_nodes}")
+    detected = min(sit.health.lost_since[n] for n in lost)
+    _begin(sit, cause, False, f"lost {what}", world, target, detected)
+    return f"unplanned re-form ({cause.value}): lost {what}", False
+
+
+def _shrink_for_reclaim(
+    sit: Situation,
+    world: frozenset[str],
+    target: list[str],
+    leaving: Mapping[str, ReclaimNotice],
+    newest: PodInfo | None,
+) -> tuple[str, bool]:
+    """Planned when the checkpoint fits inside every notice (less the margin) and the trainer
+    has reported; else unplanned at once."""
+    s, now, config = sit.s, sit.now, sit.config
+    what = ", ".join(f"{n} ({notice.signal}, {notice.source})" for n, notice in sorted(leaving.items()))
+    if len(target) < config.min_nodes:
+        return _stall(s, sit.out, newest, f"reclaim of {what} leaves {len(target)} nodes, below min {config.min_nodes}")
+    detected = min(sit.health.seen[n] for n in leaving)
+    deadline = now + config.checkpoint_timeout.total_seconds()
+    for notice in leaving.values():
+        if notice.ends_at is not None:
+            deadline = min(deadline, notice.ends_at - sit.settings.reform.notice_margin.total_seconds())
+    planned = deadline > now and s.progress is not None
+    _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", world, target, detected, deadline)
+    return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
+
+
+def _shrink_to_max(sit: Situation, world: frozenset[str]) -> tuple[str, bool]:
+    """More nodes than the job's max (the max was lowered): keep the first ``max`` by name."""
+    config, now = sit.config, sit.now
+    target = sorted(world)[: config.max_nodes]
+    deadline = now + config.checkpoint_timeout.total_seconds()
+    why = f"{len(world)} nodes exceed max {config.max_nodes}"
+    _begin(sit, ReformCause.MANUAL, sit.s.progress is not None, why, world, target, now, deadline)
+    return f"shrink to max: {why}", False
+
+
+def _grow(sit: Situation, world: frozenset[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
+    """Gather joiners for the join window (or until max), then re-form with them."""
+    s, now, config = sit.s, sit.now, sit.config
+    live = len(world)
+    capacity = config.max_nodes - live
+    # A joiner can only be added once the current round exists: the wait starts then.
+    opened = max(joiner_seen(s, joiners[0]), s.round_times[-1] if s.round_times else 0.0)
+    closes = opened + config.join_window.total_seconds()
+    if now < closes and len(joiners) < capacity:
+        sit.out.again_in(closes - now)
+        return f"gathering {len(joiners)} joining nodes until the join window closes", live < config.min_nodes
+    target = _clamp(world, joiners, config.max_nodes)
+    if len(target) < config.min_nodes:
+        return _stall(s, sit.out, newest, f"{len(target)} nodes available, below min {config.min_nodes}")
+    added = ", ".join(target[live:])
+    planned = live >= config.min_nodes and s.progress is not None
+    deadline = now + config.checkpoint_timeout.total_seconds()
+    _begin(sit, ReformCause.GROW, planned, f"nodes joining: {added}", world, target, min(opened, now), deadline)
+    return f"grow to {len(target)} nodes: {added} joining", False
+
+
+def _stall(s: JobSnapshot, out: Out, newest: PodInfo | None, why: str) -> tuple[str, bool]:
+    if newest is not None:
+        ref = ObjectRef("Pod", newest.name, newest.namespace, newest.uid)
+        out.actions.append(PostEvent(ref, "Warning", "JobStalled", f"job {s.job} stalled: {why}"))
+    return f"stalled: {why}", True
+
+
+def _clamp(survivors: Iterable[str], joiners: list[str], max_nodes: int) -> list[str]:
+    keep = sorted(survivors)[:max_nodes]
+    return keep + joiners[: max(0, max_nodes - len(keep))]
+
+
+def _next_generation(s: JobSnapshot) -> int:
+    gens = [0]
+    for record in (s.plan, s.checkpoint, s.expected, s.reform):
+        if record is not None:
+            gens.append(record.generation)
+    gens.extend(s.acks)
+    return max(gens) + 1
+
+
+def _begin(
+    sit: Situation,
+    cause: ReformCause,
+    planned: bool,
+    reason: str,
+    world: frozenset[str],
+    target: list[str],
+    detected: float,
+    deadline: float = 0.0,
+) -> None:
+    """Write the new plan and its first request: the checkpoint when planned, else the re-form."""
+    s, now, out = sit.s, sit.now, sit.out
+    generation = _next_generation(s)
+    plan = ReformPlan(
+        generation=generation,
+        cause=cause,
+        planned=planned,
+        phase=ReformPhase.CHECKPOINT if planned else ReformPhase.RENDEZVOUS,
+        reason=reason,
+        nodes_before=sorted(world),
+        nodes_after=list(target),
+        trace_id=new_trace_id(s.namespace, s.job, generation, now),
+        detected_at=min(detected, now),
+        decided_at=now,
+        round_before=s.world_round,
+    )
+    if planned:
+        plan = dataclasses.replace(plan, checkpoint_requested_at=now, checkpoint_deadline=deadline)
+        out.actions.append(WritePlan(plan, s.plan_revision))
+        out.actions.append(WriteCheckpointRequest(checkpoint_request(plan)))
+        out.again_in(deadline - now)
+    else:
+        plan = request_reform(s, plan, now)
+        out.actions.append(WritePlan(plan, s.plan_revision))
+        reform_writes(plan, out)
+        out.again_in(sit.settings.reform.rendezvous_timeout.total_seconds())

@@ -1,0 +1,88 @@
+"""The records that carry a plan to the agents and trainers, and the plan's end.
+
+A planned re-form asks for a checkpoint first (``control/checkpoint``); every re-form
+then publishes the next round (``control/expected``) and asks for it (``control/reform``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from controller.cluster import ObjectRef
+from controller.decide.out import Out
+from controller.reform_summary import resize_message
+from controller.snapshot import JobSnapshot, PostEvent, WriteExpected, WritePlan, WriteReform
+from controller.trace_ids import traceparent
+from regroup.records import (
+    CheckpointRequest,
+    ExpectedMembership,
+    ReformOutcome,
+    ReformPhase,
+    ReformPlan,
+    ReformRequest,
+)
+
+
+def checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
+    """The checkpoint request of a planned re-form, under its checkpoint span."""
+    return CheckpointRequest(
+        generation=plan.generation,
+        deadline=plan.checkpoint_deadline,
+        hold=True,
+        reason=plan.reason,
+        traceparent=traceparent(plan.trace_id, ReformPhase.CHECKPOINT.value),
+        requested_at=plan.checkpoint_requested_at,
+    )
+
+
+def request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
+    """The plan as it stands when ``control/expected`` and ``control/reform`` go out."""
+    step = s.progress.step if s.progress is not None else -1
+    ack = s.acks.get(plan.generation)
+    if ack is not None:
+        step = max(step, ack.step)
+    ranks = 0
+    for node in plan.nodes_after:
+        member = s.members.get(node)
+        ranks += member.local_world_size if member is not None else 0
+    return dataclasses.replace(
+        plan,
+        phase=ReformPhase.RENDEZVOUS,
+        reform_requested_at=now,
+        step_before=step,
+        progress_revision=s.progress_revision,
+        world_size_target=ranks,
+    )
+
+
+def reform_writes(plan: ReformPlan, out: Out, s: JobSnapshot | None = None) -> None:
+    """Write the plan's expected membership and reform request, each unless ``s`` shows it already."""
+    rdzv = traceparent(plan.trace_id, ReformPhase.RENDEZVOUS.value)
+    if s is None or s.expected is None or s.expected.generation != plan.generation:
+        out.actions.append(
+            WriteExpected(ExpectedMembership(plan.generation, list(plan.nodes_after), plan.reason, rdzv))
+        )
+    if s is None or s.reform is None or s.reform.generation != plan.generation:
+        out.actions.append(
+            WriteReform(ReformRequest(plan.generation, plan.cause.value, plan.reason, rdzv, plan.reform_requested_at))
+        )
+
+
+def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome, out: Out, why: str) -> str:
+    """End the plan. A completed one is told on each of the job's pods (a Normal Event
+    ``Resized``); one that did not complete is abandoned loudly (a Warning Event on each of
+    the job's pods; the trace and the metric carry ``why``) and decided afresh at once."""
+    done = dataclasses.replace(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
+    out.actions.append(WritePlan(done, s.plan_revision, finished=True))
+    if outcome == ReformOutcome.COMPLETED:
+        message = resize_message(done)
+        for pod in s.pods:
+            out.actions.append(PostEvent(ObjectRef("Pod", pod.name, pod.namespace, pod.uid), "Normal", "Resized", message))
+    else:
+        what = f"re-form {plan.generation} ({plan.cause.value}, phase {plan.phase.value})"
+        message = f"{what} abandoned, {outcome.value}: {why}"
+        for pod in s.pods:
+            ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)
+            out.actions.append(PostEvent(ref, "Warning", "ReformAbandoned", message))
+        out.again_in(0)
+    return f"re-form {plan.generation} {outcome.value}: {why}"
