@@ -72,3 +72,13 @@ def test_an_older_trainer_gives_the_trace_of_before() -> None:
     assert set(spans) == {"regroup.reform", "regroup.detect", "regroup.rendezvous", "regroup.resume"}
     assert "regroup.reform.mode" not in spans["regroup.reform"].attributes
     assert not [k for k in spans["regroup.resume"].attributes if k.startswith("regroup.resume.")]
+
+
+def test_the_cause_and_outcome_attributes_are_the_plain_stored_strings() -> None:
+    """Exporters and the spans file see the values ``regroup.cause``/``regroup.outcome`` always had."""
+    abandoned = dataclasses.replace(PLAN, outcome="timeout", why="the trainer reported no progress")
+    root = spans_of(abandoned)["regroup.reform"]
+    cause, outcome = root.attributes["regroup.cause"], root.attributes["regroup.outcome"]
+    assert (cause, outcome) == ("node-lost", "timeout")
+    assert type(cause) is str and type(outcome) is str
+    assert root.status.description == "timeout: the trainer reported no progress"
