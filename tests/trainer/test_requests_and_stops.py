@@ -239,9 +239,11 @@ async def test_sigterm_ends_a_rank_blocked_in_a_collective_and_reports_its_last_
     keys = JobKeys("default", "hang-job")
     # Rank 1 stops making progress before step 4: rank 0 blocks in step 4's all-gather,
     # where no Python signal handler runs. The stop must still end it, promptly.
+    # Progress at every boundary (a step takes longer than 1 ms): step 3's record is written
+    # before rank 0 blocks, however close together steps 2 and 3 end on the machine.
     config = write_config(
         tmp_path / "c.yaml",
-        etcd={"endpoint": etcd.endpoint, "job": keys.job, "progress_interval": "50ms"},
+        etcd={"endpoint": etcd.endpoint, "job": keys.job, "progress_interval": "1ms"},
         faults=[{"kind": "hang", "rank": 1, "step": 4}],
         max_steps=10_000,
     )
