@@ -19,6 +19,7 @@ COPY regroup ./regroup
 COPY controller ./controller
 COPY rendezvous ./rendezvous
 COPY trainer ./trainer
+COPY demo ./demo
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- controller: slim, non-root, no torch --------------------------------------------

@@ -339,7 +339,7 @@ def apply_direct(h: Harness, layout: Layout, nodes: dict[str, NodeInfo], event: 
 
 
 def _kube_objects(layout: Layout) -> list[dict[str, Any]]:
-    from tests.kubeapi import objects
+    from kubeapi import objects
 
     out = [objects.node(layout.node(i)) for i in range(layout.nodes)]
     for j in range(layout.jobs):
@@ -350,7 +350,7 @@ def _kube_objects(layout: Layout) -> list[dict[str, Any]]:
 
 def apply_kube(api: Any, h: Harness | None, layout: Layout, event: tuple[Any, ...]) -> int:
     """Write one storm event into the stand-in; returns how many watch events it makes."""
-    from tests.kubeapi import objects
+    from kubeapi import objects
 
     kind = event[0]
     if kind == "taint":
@@ -398,7 +398,7 @@ class CountingSink:
 async def standin(layout: Layout) -> AsyncIterator[tuple[Any, Any]]:
     """The Kubernetes API stand-in loaded with the cluster, and a real client for it."""
     from controller.kube.api import load_api_client
-    from tests.kubeapi.server import FakeKubeAPI
+    from kubeapi.server import FakeKubeAPI
 
     api = FakeKubeAPI(history_limit=1_000_000)
     for obj in _kube_objects(layout):

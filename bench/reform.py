@@ -9,7 +9,7 @@ mode after the other on the same machine:
   re-form restarts every worker;
 - ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller.
 
-For each mode it measures, from the recorded run (``regroup.demo.analysis``):
+For each mode it measures, from the recorded run (``demo.analysis``):
 
 - planned reclaim: the reclaim taint -> the first training step at one node fewer, and
   the steps lost;
@@ -41,8 +41,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from regroup.demo.main import cancelled_by_sigterm
-from regroup.demo.analysis import (
+from demo.main import cancelled_by_sigterm
+from demo.analysis import (
     RunData,
     event_impacts,
     goodput,
@@ -51,7 +51,7 @@ from regroup.demo.analysis import (
     training_at,
     world_changes,
 )
-from regroup.demo.scenario import (
+from demo.scenario import (
     JobSpec,
     Scenario,
     ScenarioError,
@@ -298,8 +298,8 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
-    from regroup.demo.nodes import RunLayout
-    from regroup.demo.runner import run_scenario
+    from demo.nodes import RunLayout
+    from demo.runner import run_scenario
     from regroup.telemetry import JsonLinesSpanExporter, configure_logging, configure_tracing
 
     class RunSpans(SpanExporter):

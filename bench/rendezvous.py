@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 
 from regroup.etcd import EtcdSettings, connect
-from regroup.etcd_server import EtcdServer, free_port
+from demo.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import ExpectedMembership, ReformCause, ReformRequest
 from rendezvous.handler import EtcdV3RendezvousHandler, Shared

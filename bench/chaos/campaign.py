@@ -32,7 +32,7 @@ from bench.chaos.invariants import (
 from bench.chaos.job import GLOBAL_BATCH, ChaosJob, JobShape, Shutdown
 from bench.chaos.observe import Finding
 from bench.chaos.plan import CONTROLLER_KILL, KINDS, Fault, draw_plan
-from regroup.demo.nodes import RunLayout
+from demo.nodes import RunLayout
 from regroup.records import ReformPhase
 from trainer.checkpoint import list_steps
 

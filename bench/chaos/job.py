@@ -1,7 +1,7 @@
 """One local job under chaos: a real etcd, the local cluster, the controller in this
 process, and the observers; started, changed by the faults, and shut down in order.
 
-It is the demo's job (``regroup.demo``: the same launcher, trainer config, recorder and
+It is the demo's job (``demo``: the same launcher, trainer config, recorder and
 task ownership) with the knobs a fault campaign needs: checkpoints every few steps, the
 sample log on, a short join window, and the restart-storm rule out of the way (the
 campaign crashes ranks on purpose; cordoning the nodes for it would only shrink the
@@ -30,14 +30,14 @@ from bench.chaos.observe import (
     ProcessLedger,
     marked_processes,
 )
-from controller.local_cluster import AgentCommand, ClusterEvent, LocalCluster
+from demo.local_cluster import AgentCommand, ClusterEvent, LocalCluster
 from controller.runtime import run_controller
 from controller.settings import ControllerSettings, RuntimeSettings
-from regroup.demo.nodes import NAMESPACE, RunLayout, make_launcher, write_trainer_config
-from regroup.demo.runner import STARTUP_TIMEOUT, await_vital
-from regroup.demo.scenario import JobSpec, Scenario
+from demo.nodes import NAMESPACE, RunLayout, make_launcher, write_trainer_config
+from demo.runner import STARTUP_TIMEOUT, await_vital
+from demo.scenario import JobSpec, Scenario
 from regroup.etcd import EtcdSettings, connect
-from regroup.etcd_server import EtcdServer
+from demo.etcd_server import EtcdServer
 from regroup.keys import JobKeys
 
 log = structlog.get_logger("bench.chaos")

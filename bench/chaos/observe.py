@@ -17,9 +17,9 @@ from typing import TypeVar
 
 import structlog
 
-from controller.local_cluster import LocalCluster, process_tree
-from regroup.demo.nodes import RunLayout
-from regroup.demo.recorder import JobRecorder
+from demo.local_cluster import LocalCluster, process_tree
+from demo.nodes import RunLayout
+from demo.recorder import JobRecorder
 from regroup.etcd import EtcdSettings
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, Progress, RecordError, ReformPhase

@@ -31,9 +31,9 @@ from controller.settings import ControllerSettings, KubeSettings, RuntimeSetting
 from regroup.etcd import EtcdSettings, EventKind
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, MemberRecord, Progress, Record
-from tests.kubeapi import objects
-from tests.kubeapi.rbac import Authorizer, manifest_authorizer
-from tests.kubeapi.server import FakeKubeAPI
+from kubeapi import objects
+from kubeapi.rbac import Authorizer, manifest_authorizer
+from kubeapi.server import FakeKubeAPI
 
 R = TypeVar("R", bound=Record)
 

@@ -13,7 +13,7 @@ from regroup.records import (
     JobStatus,
     ReformRequest,
 )
-from tests.kubeapi import objects
+from kubeapi import objects
 
 from .harness import NS, Cluster, controller, notes, sample, until
 

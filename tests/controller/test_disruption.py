@@ -23,7 +23,7 @@ from regroup.records import (
     ReformPlan,
     ReformRequest,
 )
-from tests.kubeapi import objects
+from kubeapi import objects
 
 from .builders import JOB, NS, T0, applied, job, of, pod, with_disruption, with_taint
 from .harness import NS as E2E_NS

@@ -26,7 +26,7 @@ from regroup.records import CheckpointRequest, Exclusions, Progress, ReformPlan,
 from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound
 from rendezvous.records import RoundState
 from rendezvous.settings import parse_settings
-from tests.kubeapi import objects
+from kubeapi import objects
 
 from .harness import NS, Cluster, fast_settings, notes, sample, until
 from .harness import replica as harness_replica

@@ -11,7 +11,7 @@ import pytest
 
 from regroup.keys import JobKeys
 from regroup.records import JobStatus, ReformRequest
-from tests.kubeapi.rbac import request_info
+from kubeapi.rbac import request_info
 
 from .harness import NS, Cluster, controller_rbac, fast_settings, notes, replica, until
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from regroup.demo.analysis import (
+from demo.analysis import (
     RunData,
     continuity_errors,
     event_impacts,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench.reform import METRICS, fitting, measure, metric_table, versus, world_change_table
-from regroup.demo.analysis import (
+from demo.analysis import (
     first_progress_at,
     load_run,
     reform_latencies,
@@ -18,7 +18,7 @@ from regroup.demo.analysis import (
     scripted_resizes,
     world_changes,
 )
-from regroup.demo.scenario import load_scenario, resolve_scenario_path, with_overrides
+from demo.scenario import load_scenario, resolve_scenario_path, with_overrides
 from tests.demo.recorded import T0, progress_rows, write_run
 
 JOIN_WINDOW = 5.0

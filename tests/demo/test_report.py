@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from regroup.demo.analysis import ProgressSample as P
-from regroup.demo.analysis import (
+from demo.analysis import ProgressSample as P
+from demo.analysis import (
     continuity_errors,
     event_impacts,
     goodput,
@@ -19,7 +19,7 @@ from regroup.demo.analysis import (
     useful_training_time,
     world_size_timeline,
 )
-from regroup.demo.report import build_report, summarize, summary_text
+from demo.report import build_report, summarize, summary_text
 from tests.demo.recorded import EVENTS, INCARNATIONS, REFORMS, progress_rows, write_run
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client, config
 
-from tests.kubeapi.server import FakeKubeAPI
+from kubeapi.server import FakeKubeAPI
 
 
 @pytest.fixture

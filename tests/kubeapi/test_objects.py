@@ -12,9 +12,9 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.dynamic import DynamicClient
 
-from regroup.etcd_server import make_tls_files
-from tests.kubeapi import objects
-from tests.kubeapi.server import FakeKubeAPI
+from demo.etcd_server import make_tls_files
+from kubeapi import objects
+from kubeapi.server import FakeKubeAPI
 
 
 async def test_status_subresource_isolates_status_from_spec(

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from kubernetes_asyncio import client
 
-from tests.kubeapi import objects
-from tests.kubeapi.errors import ApiError
-from tests.kubeapi.patches import json_patch, merge_patch, strategic_merge_patch
-from tests.kubeapi.resources import NODES, PODS
-from tests.kubeapi.server import FakeKubeAPI
+from kubeapi import objects
+from kubeapi.errors import ApiError
+from kubeapi.patches import json_patch, merge_patch, strategic_merge_patch
+from kubeapi.resources import NODES, PODS
+from kubeapi.server import FakeKubeAPI
 
 MERGE = "application/merge-patch+json"
 

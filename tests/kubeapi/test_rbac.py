@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kubeapi.rbac import Authorizer, Grant, PolicyRule, manifest_authorizer, request_info
+from kubeapi.rbac import Authorizer, Grant, PolicyRule, manifest_authorizer, request_info
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from kubernetes_asyncio import client, config, watch
 
-from tests.kubeapi import objects
-from tests.kubeapi.server import FakeKubeAPI
+from kubeapi import objects
+from kubeapi.server import FakeKubeAPI
 
 JOB = "regroup.dev/job"
 

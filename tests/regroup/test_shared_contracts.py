@@ -20,7 +20,7 @@ from regroup.etcd import (
     open_watch,
     parse_endpoints,
 )
-from regroup.etcd_server import EtcdServer, free_port
+from demo.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import (
     TRACED_PHASES,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from regroup.etcd_server import EtcdServer
+from demo.etcd_server import EtcdServer
 from tests.rendezvous.agents import TorchrunNodes
 
 

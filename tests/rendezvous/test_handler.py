@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from regroup.etcd import EtcdSettings, connect, enable_auth
-from regroup.etcd_server import EtcdServer, free_port, make_tls_files
+from demo.etcd_server import EtcdServer, free_port, make_tls_files
 from regroup.keys import JobKeys
 from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
 from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound

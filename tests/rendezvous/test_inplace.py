@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from regroup.etcd_server import EtcdServer
+from demo.etcd_server import EtcdServer
 from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
 from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL, _samples

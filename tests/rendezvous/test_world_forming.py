@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from regroup.etcd_server import free_port
+from demo.etcd_server import free_port
 from rendezvous.inplace.channel import (
     CHANNEL_ENV,
     STANDBY_ENV,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from tests.kubeapi import patches
-from tests.kubeapi.errors import (
+from kubeapi import patches
+from kubeapi.errors import (
     ApiError,
     already_exists,
     bad_request,
@@ -25,10 +25,10 @@ from tests.kubeapi.errors import (
     invalid,
     not_found,
 )
-from tests.kubeapi.event_rules import event_causes
-from tests.kubeapi.jsontree import clone
-from tests.kubeapi.resources import CANONICAL, NAMESPACES, PODS, Resource
-from tests.kubeapi.store import Key, Store
+from kubeapi.event_rules import event_causes
+from kubeapi.jsontree import clone
+from kubeapi.resources import CANONICAL, NAMESPACES, PODS, Resource
+from kubeapi.store import Key, Store
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

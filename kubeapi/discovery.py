@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.kubeapi.resources import ALL, Resource
+from kubeapi.resources import ALL, Resource
 
 _VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 _SHORT_NAMES = {"nodes": ["no"], "pods": ["po"], "events": ["ev"], "namespaces": ["ns"]}

@@ -23,17 +23,17 @@ from typing import Any, TextIO
 import structlog
 
 from controller.cluster import NodeInfo
-from controller.local_cluster import ClusterEvent, LocalCluster
-from regroup.demo.live import LiveSnapshot, LiveView, phase_of
-from regroup.demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
-from regroup.demo.recorder import JobRecorder
-from regroup.demo.scenario import ChurnEvent, Scenario
+from demo.local_cluster import ClusterEvent, LocalCluster
+from demo.live import LiveSnapshot, LiveView, phase_of
+from demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
+from demo.recorder import JobRecorder
+from demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
-from regroup.etcd_server import EtcdServer, free_port
+from demo.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import Progress, ReformPhase
 
-log = structlog.get_logger("regroup.demo")
+log = structlog.get_logger("demo")
 
 CONTROLLER_READY_TIMEOUT = 60.0
 STARTUP_TIMEOUT = 240.0
@@ -289,7 +289,7 @@ async def _start_c10d_store(layout: RunLayout) -> tuple[asyncio.subprocess.Proce
     log_file = open(layout.logs / "c10d-store.log", "ab")  # noqa: SIM115, ASYNC230 - a local log, closed below
     try:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "regroup.demo.c10d_store", str(port),
+            sys.executable, "-m", "demo.c10d_store", str(port),
             env=base_env(layout), stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
         )  # fmt: skip
     finally:

@@ -1,6 +1,6 @@
 """How fast the stand-in serves, so a benchmark can tell its limits from the controller's.
 
-    python -m tests.kubeapi.throughput [--nodes 2000] [--pods 10000] [--events 10000]
+    python -m bench kubeapi [--nodes 2000] [--pods 10000] [--events 10000]
 
 Measures, with the cluster size of the controller benchmark loaded:
 - watch delivery: in-process pod writes, read back as raw JSON lines from one HTTP watch;
@@ -25,8 +25,8 @@ import aiohttp
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
-from tests.kubeapi import objects
-from tests.kubeapi.server import FakeKubeAPI
+from kubeapi import objects
+from kubeapi.server import FakeKubeAPI
 
 
 def _restart(i: int) -> dict[str, object]:

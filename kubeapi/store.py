@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.kubeapi.errors import expired
-from tests.kubeapi.resources import Resource
-from tests.kubeapi.selectors import FieldSelector, LabelSelector
+from kubeapi.errors import expired
+from kubeapi.resources import Resource
+from kubeapi.selectors import FieldSelector, LabelSelector
 
 Key = tuple[str, str]
 """(namespace, name); namespace is "" for cluster-scoped objects."""

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tests.kubeapi.errors import bad_request
-from tests.kubeapi.resources import Resource
-from tests.kubeapi.selectors import parse_field_selector, parse_label_selector
-from tests.kubeapi.store import Filter
+from kubeapi.errors import bad_request
+from kubeapi.resources import Resource
+from kubeapi.selectors import parse_field_selector, parse_label_selector
+from kubeapi.store import Filter
 
 
 def parse_bool(text: str | None, name: str) -> bool:

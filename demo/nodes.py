@@ -7,7 +7,7 @@ Three modes play the same scenario with the same trainer and checkpoint cadence:
 - ``regroup-restart``: plain torchrun (``torch.distributed.run``) with the same ``etcd-v3``
   rendezvous and controller: every re-form restarts every worker (the restart path);
 - ``torchrun-c10d``: plain torchrun with its c10d rendezvous and no controller. Its
-  store is a standalone ``TCPStore`` (``regroup.demo.c10d_store``), the way a platform
+  store is a standalone ``TCPStore`` (``demo.c10d_store``), the way a platform
   would run a rendezvous service, so losing the first node does not take it away.
 """
 
@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
-from controller.local_cluster import AgentCommand, AgentLauncher
-from regroup.demo.scenario import Scenario
+from demo.local_cluster import AgentCommand, AgentLauncher
+from demo.scenario import Scenario
 from regroup.telemetry import SPANS_FILE_ENV
 
 Mode = Literal["regroup", "regroup-restart", "torchrun-c10d"]

@@ -11,10 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.kubeapi.errors import ApiError
-from tests.kubeapi.params import parse_bool, parse_int
-from tests.kubeapi.resources import Resource
-from tests.kubeapi.store import Filter, Store, Watcher
+from kubeapi.errors import ApiError
+from kubeapi.params import parse_bool, parse_int
+from kubeapi.resources import Resource
+from kubeapi.store import Filter, Store, Watcher
 
 LINES_PER_WRITE = 256
 """Watch events already queued go out together, up to this many per chunk."""

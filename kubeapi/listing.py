@@ -8,9 +8,9 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tests.kubeapi.errors import ApiError, bad_request, expired
-from tests.kubeapi.params import parse_int
-from tests.kubeapi.store import Filter, Key, Store
+from kubeapi.errors import ApiError, bad_request, expired
+from kubeapi.params import parse_int
+from kubeapi.store import Filter, Key, Store
 
 
 async def list_collection(

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tests.kubeapi.errors import ApiError, bad_request
-from tests.kubeapi.jsontree import clone
+from kubeapi.errors import ApiError, bad_request
+from kubeapi.jsontree import clone
 
 
 def merge_patch(target: Any, patch: Any) -> Any:

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from regroup.demo.analysis import (
+from demo.analysis import (
     RunData,
     continuity_errors,
     cordoned_nodes,

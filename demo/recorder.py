@@ -28,7 +28,7 @@ from regroup.records import (
     ReformPlan,
 )
 
-log = structlog.get_logger("regroup.demo.recorder")
+log = structlog.get_logger("demo.recorder")
 
 
 @dataclass

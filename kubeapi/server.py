@@ -19,25 +19,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import yaml
 from aiohttp import web
 
-from regroup.etcd_server import TlsFiles
-from tests.kubeapi import discovery, resources
-from tests.kubeapi.errors import ApiError, bad_request
-from tests.kubeapi.jsontree import clone
-from tests.kubeapi.listing import list_collection
-from tests.kubeapi.params import parse_bool, selection
-from tests.kubeapi.registry import PATCH_TYPES, WHOLE_OBJECT, DeleteOptions, Registry
-from tests.kubeapi.resources import Resource
-from tests.kubeapi.selectors import (
+from kubeapi import discovery, resources
+from kubeapi.errors import ApiError, bad_request
+from kubeapi.jsontree import clone
+from kubeapi.listing import list_collection
+from kubeapi.params import parse_bool, selection
+from kubeapi.registry import PATCH_TYPES, WHOLE_OBJECT, DeleteOptions, Registry
+from kubeapi.resources import Resource
+from kubeapi.selectors import (
     parse_label_selector,
 )
-from tests.kubeapi.store import Key, Store
-from tests.kubeapi.watching import serve_watch
+from kubeapi.store import Key, Store
+from kubeapi.watching import serve_watch
 
+
+
+class ServerCertificate(Protocol):
+    """Where the files of an HTTPS server certificate are (``demo.etcd_server.TlsFiles`` is one)."""
+
+    @property
+    def ca(self) -> Path: ...
+    @property
+    def server_cert(self) -> Path: ...
+    @property
+    def server_key(self) -> Path: ...
 
 class RecordedRequest(NamedTuple):
     """One HTTP request as the server received it."""
@@ -76,7 +86,7 @@ class FakeKubeAPI:
         too_large_rv_wait: timedelta = timedelta(seconds=3),
         seed: int = 0,
         clock: Callable[[], datetime] | None = None,
-        tls: TlsFiles | None = None,
+        tls: ServerCertificate | None = None,
     ) -> None:
         """
         bookmark_interval: how often a watch with allowWatchBookmarks gets a BOOKMARK (the
@@ -86,7 +96,7 @@ class FakeKubeAPI:
         too_large_rv_wait: how long a read from a future resourceVersion waits before 504.
         seed: seeds uids and generated names, so runs are reproducible.
         clock: the time stamped into objects (UTC); defaults to the wall clock.
-        tls: serve HTTPS with this server certificate (regroup.etcd_server.make_tls_files);
+        tls: serve HTTPS with this server certificate (demo.etcd_server.make_tls_files);
             the kubeconfig then names the CA. kubectl sends its token only over HTTPS.
         """
         if bookmark_interval <= timedelta(0):
