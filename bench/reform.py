@@ -42,15 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from demo.main import cancelled_by_sigterm
-from demo.analysis import (
-    RunData,
-    event_impacts,
-    goodput,
-    load_run,
-    reform_latencies,
-    training_at,
-    world_changes,
-)
+from demo.analysis import RunData, event_impacts, goodput, load_run
+from demo.resizes import reform_latencies, training_at, world_changes
 from demo.scenario import (
     JobSpec,
     Scenario,

@@ -23,37 +23,21 @@ Only processes this adapter started, and their descendants, are ever signalled.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Literal
 
 import structlog
 
 from controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodDisruption, PodInfo, Taint
+from demo.processes import AgentLauncher, end_agent, kill_tree, kill_workers
 
 log = structlog.get_logger("regroup.local_cluster")
 
 CORDON_ANNOTATION = "regroup.dev/cordon-reason"
-
-
-@dataclass(frozen=True)
-class AgentCommand:
-    """How to start one node's agent."""
-
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    """stdout and stderr of the agent and its workers, appended."""
-
-
-AgentLauncher = Callable[[str, str, int], AgentCommand]
-"""``(node, pod, attempt) -> AgentCommand``; attempt counts restarts of the pod's agent."""
 
 
 @dataclass(frozen=True)
@@ -70,67 +54,6 @@ class ClusterEvent:
 
 
 # ---------------------------------------------------------------- process trees
-
-
-def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks) of ``pid``, or None if it is gone or a zombie."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    if fields[0] == "Z":
-        return None  # dead already, waiting for its parent to reap it
-    return int(fields[1]), int(fields[19])
-
-
-def process_tree(root: int) -> dict[int, int]:
-    """``root`` and all its descendants, as ``{pid: start_time}``."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = _proc_stat(int(entry))
-        if stat is not None:
-            children.setdefault(stat[0], []).append(int(entry))
-            starts[int(entry)] = stat[1]
-    if root not in starts:
-        return {}
-    tree, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in starts and pid not in tree:
-            tree[pid] = starts[pid]
-            todo.extend(children.get(pid, []))
-    return tree
-
-
-def _signal_known(pids: dict[int, int], sig: int) -> None:
-    """Signal each pid that is still the same process (same start time): no pid-reuse victims."""
-    for pid, started in pids.items():
-        stat = _proc_stat(pid)
-        if stat is not None and stat[1] == started:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def kill_tree(root: int) -> dict[int, int]:
-    """SIGKILL ``root`` and every descendant, freezing them first so none can fork or
-    be orphaned between the listing and the kill. Returns what was killed."""
-    frozen: dict[int, int] = {}
-    while True:
-        tree = process_tree(root)
-        new = {pid: start for pid, start in tree.items() if pid not in frozen}
-        if not new:
-            break
-        _signal_known(new, signal.SIGSTOP)
-        frozen.update(new)
-    _signal_known(frozen, signal.SIGKILL)
-    return frozen
 
 
 # ---------------------------------------------------------------- the cluster
@@ -354,12 +277,7 @@ class LocalCluster:
         """SIGKILL the workers of the node's agent (not the agent): its ranks crash and the
         agent restarts them. Returns how many processes were killed."""
         pid = self.agent_pid(node)
-        if pid is None:
-            return 0
-        tree = process_tree(pid)
-        tree.pop(pid, None)
-        _signal_known(tree, signal.SIGKILL)
-        return len(tree)
+        return 0 if pid is None else kill_workers(pid)
 
     async def stop(self) -> None:
         """Stop every agent (SIGTERM, then SIGKILL of the tree after the grace) and task."""
@@ -484,18 +402,5 @@ class LocalCluster:
 
     async def _terminate(self, pod: _Pod) -> None:
         await self._stop_supervisor(pod)
-        process = pod.process
-        if process is None or process.returncode is not None:
-            return
-        # Snapshot the tree first: once the agent exits, its workers are no longer its children.
-        tree = process_tree(process.pid)
-        _signal_known({process.pid: tree.get(process.pid, 0)} if process.pid in tree else {}, signal.SIGTERM)
-        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can drop a cancellation (gh-86296)
-            async with asyncio.timeout(self._stop_grace.total_seconds()):
-                await process.wait()
-        except TimeoutError:
-            pass
-        # Whatever of the snapshot survived (agent or orphaned workers) is killed.
-        tree.update(process_tree(process.pid))
-        _signal_known(tree, signal.SIGKILL)
-        await process.wait()
+        if pod.process is not None:
+            await end_agent(pod.process, self._stop_grace)

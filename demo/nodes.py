@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from demo.local_cluster import AgentCommand, AgentLauncher
+from demo.processes import AgentCommand, AgentLauncher
 from demo.scenario import Scenario
 from regroup.telemetry import SPANS_FILE_ENV
 

@@ -15,18 +15,17 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
 
 from controller.cluster import NodeInfo
-from demo.local_cluster import ClusterEvent, LocalCluster
-from demo.live import LiveSnapshot, LiveView, phase_of
+from demo.local_cluster import LocalCluster
+from demo.live import LiveView
 from demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
 from demo.recorder import JobRecorder
+from demo.run_state import FlakyNode, RunState
 from demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
 from demo.etcd_server import EtcdServer, free_port
@@ -43,107 +42,11 @@ SETTLE_TIMEOUT = 180.0
 (a restored node starts its agent and trainer from scratch: torch imports on a busy machine)."""
 
 
-def _append(path: Path, body: dict[str, Any]) -> None:
-    with open(path, "a") as out:
-        out.write(json.dumps(body, separators=(",", ":")) + "\n")
-
-
-@dataclass
-class FlakyNode:
-    """A node whose rank crashes once the job trained ``crash_after_steps`` steps past
-    the checkpoint it resumed from, every incarnation (0: as soon as the rank starts)."""
-
-    node: str
-    crash_after_steps: int
-    last_crash: float = 0.0
-    crashes: int = 0
-
-
-@dataclass
-class _Run:
-    scenario: Scenario
-    mode: Mode
-    layout: RunLayout
-    cluster: LocalCluster | None = None
-    recorder: JobRecorder | None = None
-    launched_at: float = 0.0
-    started_at: float = 0.0
-    """When the job first trained: scenario times count from here."""
-    delay: float = 0.0
-    """Seconds the script was pushed back waiting for the job to settle (see ``_unsettled``)."""
-    flaky: dict[str, FlakyNode] = field(default_factory=dict)
-    dealt_with: dict[str, float] = field(default_factory=dict)
-    """Flaky node -> when the run first saw it cordoned or gone."""
-    recent: list[str] = field(default_factory=list)
-    gone: set[str] = field(default_factory=set)
-
-    def record(self, source: str, reason: str, message: str, nodes: tuple[str, ...] = (), type_: str = "Normal") -> None:
-        now = time.time()
-        _append(
-            self.layout.events,
-            {"time": now, "source": source, "reason": reason, "message": message, "nodes": list(nodes), "type": type_},
-        )
-        at = now - (self.started_at or self.launched_at or now)
-        self.recent = (self.recent + [f"{at:5.1f}s  {source:<10} {reason}: {message}"])[-6:]
-        log.info("event", source=source, reason=reason, message=message, nodes=list(nodes))
-
-    def on_cluster_event(self, event: ClusterEvent) -> None:
-        self.record(event.source, event.reason, event.message, (event.name.removesuffix("-worker"),), event.type)
-
-    def snapshot(self) -> LiveSnapshot:
-        now = time.time()
-        elapsed = now - self.started_at if self.started_at else 0.0
-        if not self.started_at and self.launched_at:
-            upcoming_text = f"waiting for the first training step ({now - self.launched_at:.0f}s since the agents started)"
-        else:
-            upcoming_text = None
-        view = self.recorder.view if self.recorder else None
-        progress = view.progress if view else None
-        script_time = max(0.0, elapsed - self.delay)
-        upcoming = self.scenario.next_event(timedelta(seconds=script_time))
-        next_text = upcoming_text
-        if upcoming is not None and upcoming_text is None:
-            next_text = f"in {upcoming.at.total_seconds() - script_time:3.0f}s: {upcoming.describe()}"
-        return LiveSnapshot(
-            title=f"regroup demo · {self.scenario.name} · {self.mode} · {self.layout.root}",
-            elapsed=elapsed,
-            duration=self.scenario.duration.total_seconds(),
-            step=progress.step if progress else None,
-            # The record written at (re)start carries the checkpoint step and no loss yet.
-            loss=progress.loss if progress and progress.step > progress.resumed_from_step else None,
-            world_size=progress.world_size if progress else None,
-            phase=phase_of(view, now) if view else "starting",
-            next_event=next_text,
-            nodes=tuple((n, self.node_state(n)) for n in self.scenario.nodes),
-            recent=tuple(self.recent),
-        )
-
-    def node_state(self, name: str) -> str:
-        cluster = self.cluster
-        node = cluster.node(name) if cluster else None
-        if node is None:
-            return "gone" if name in self.gone else "-"
-        if node.unschedulable:
-            return "cordoned"
-        notice = next((t for t in node.taints if t.time_added is not None), None)
-        if self.mode in CONTROLLED:
-            members = self.recorder.view.members if self.recorder else {}
-            state = "member" if name in members else "joining"
-        else:
-            # Plain torchrun registers nothing in etcd: all there is to show is a live agent.
-            state = "agent up" if cluster is not None and cluster.agent_pid(name) else "agent down"
-        if notice is not None and notice.value.isdigit():
-            state += f", reclaim in {max(0, int(notice.value) - int(time.time()))}s"
-        if name in self.flaky:
-            state += ", flaky"
-        return state
-
-
 def _schedulable(node: NodeInfo) -> bool:
     return not node.unschedulable and not any(t.effect in ("NoSchedule", "NoExecute") for t in node.taints)
 
 
-def _world_bounds(run: _Run) -> tuple[int, int]:
+def _world_bounds(run: RunState) -> tuple[int, int]:
     """The world sizes the job should train at once settled: every schedulable node (no
     cordon, no reclaim notice) in the world, a flaky node not yet dealt with in it or not."""
     assert run.cluster is not None
@@ -156,7 +59,7 @@ def _world_bounds(run: _Run) -> tuple[int, int]:
     )
 
 
-def _unsettled(run: _Run, final: bool = False) -> str:
+def _unsettled(run: RunState, final: bool = False) -> str:
     """Why the job is not settled yet, or "" once it is: it trains (fresh progress) in a
     world of every usable node (a node that came back trains in it, not just has an agent
     up: its agent and trainer start from scratch first), and no re-form is in flight. At
@@ -187,7 +90,7 @@ def _unsettled(run: _Run, final: bool = False) -> str:
     return ""
 
 
-async def _wait_settled(run: _Run, timeout: float, final: bool = False) -> None:
+async def _wait_settled(run: RunState, timeout: float, final: bool = False) -> None:
     """Push the script back until the job settles (at most ``timeout``), so each event's
     re-form is over before the next one starts on a slow machine too. Giving up is
     recorded (a ``NotSettled`` event, with why): what follows did not play as written."""
@@ -201,7 +104,7 @@ async def _wait_settled(run: _Run, timeout: float, final: bool = False) -> None:
     run.delay += time.time() - started
 
 
-async def _play(run: _Run, events: tuple[ChurnEvent, ...]) -> None:
+async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
     """Fire each event at its time; with regroup, never before the previous event's re-form is over."""
     assert run.cluster is not None
     for event in events:
@@ -231,7 +134,7 @@ async def _play(run: _Run, events: tuple[ChurnEvent, ...]) -> None:
                 run.flaky[node] = FlakyNode(node, event.crash_after_steps)
 
 
-def _inject_faults(run: _Run, progress: Progress) -> None:
+def _inject_faults(run: RunState, progress: Progress) -> None:
     """Crash the flaky nodes' ranks once the job is far enough into an incarnation."""
     now = time.time()
     for flaky in run.flaky.values():
@@ -250,7 +153,7 @@ def _inject_faults(run: _Run, progress: Progress) -> None:
         _crash(run, flaky, now, f"at step {progress.step}")
 
 
-async def _crash_at_start(run: _Run, period: float = 0.1) -> None:
+async def _crash_at_start(run: RunState, period: float = 0.1) -> None:
     """Flaky nodes with ``crash_after_steps: 0`` lose their rank as soon as it appears."""
     while True:
         await asyncio.sleep(period)
@@ -259,7 +162,7 @@ async def _crash_at_start(run: _Run, period: float = 0.1) -> None:
                 _crash(run, flaky, time.time(), "at start")
 
 
-def _crash(run: _Run, flaky: FlakyNode, now: float, when: str) -> None:
+def _crash(run: RunState, flaky: FlakyNode, now: float, when: str) -> None:
     assert run.cluster is not None
     if run.cluster.crash_workers(flaky.node):
         flaky.last_crash = now
@@ -358,7 +261,7 @@ async def run_scenario(
     ``live``: draw the live view (None: only on a terminal; False: one line a second).
     """
     layout.logs.mkdir(parents=True, exist_ok=True)
-    run = _Run(scenario, mode, layout)
+    run = RunState(scenario, mode, layout)
     etcd = EtcdServer(data_dir=layout.root / "etcd-data", log_path=layout.logs / "etcd.log")
     await asyncio.to_thread(etcd.start)
     store: asyncio.subprocess.Process | None = None

@@ -30,7 +30,8 @@ from bench.chaos.observe import (
     ProcessLedger,
     marked_processes,
 )
-from demo.local_cluster import AgentCommand, ClusterEvent, LocalCluster
+from demo.local_cluster import ClusterEvent, LocalCluster
+from demo.processes import AgentCommand
 from controller.runtime import run_controller
 from controller.settings import ControllerSettings, RuntimeSettings
 from demo.nodes import NAMESPACE, RunLayout, make_launcher, write_trainer_config

@@ -17,7 +17,8 @@ from typing import TypeVar
 
 import structlog
 
-from demo.local_cluster import LocalCluster, process_tree
+from demo.local_cluster import LocalCluster
+from demo.processes import process_tree
 from demo.nodes import RunLayout
 from demo.recorder import JobRecorder
 from regroup.etcd import EtcdSettings

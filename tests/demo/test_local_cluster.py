@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from controller.cluster import JOB_LABEL, NodeInfo, ObjectRef, PodInfo
-from demo.local_cluster import AgentCommand, LocalCluster
+from demo.local_cluster import LocalCluster
+from demo.processes import AgentCommand
 
 # An "agent" that, like torchrun, starts its worker in a session of its own, then waits.
 # It exits with an error on the attempts listed in argv[3], or cleanly once with "clean".

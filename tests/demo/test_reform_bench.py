@@ -10,14 +10,8 @@ from typing import Any
 import pytest
 
 from bench.reform import METRICS, fitting, measure, metric_table, versus, world_change_table
-from demo.analysis import (
-    first_progress_at,
-    load_run,
-    reform_latencies,
-    reform_plans,
-    scripted_resizes,
-    world_changes,
-)
+from demo.analysis import load_run
+from demo.resizes import first_progress_at, reform_latencies, reform_plans, scripted_resizes, world_changes
 from demo.scenario import load_scenario, resolve_scenario_path, with_overrides
 from tests.demo.recorded import T0, progress_rows, write_run
 
