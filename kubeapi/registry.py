@@ -8,7 +8,6 @@ finalizers, and the validation that catches the mistakes a client is likely to m
 from __future__ import annotations
 
 import random
-import re
 import string
 import uuid
 from collections.abc import Callable
@@ -25,14 +24,11 @@ from kubeapi.errors import (
     invalid,
     not_found,
 )
-from kubeapi.event_rules import event_causes
 from kubeapi.jsontree import clone
 from kubeapi.resources import CANONICAL, NAMESPACES, PODS, Resource
 from kubeapi.store import Key, Store
+from kubeapi.validation import check_name, check_namespace, typed, validate
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-# metadata fields only the server sets; a client's values are ignored (or checked, for uid)
 _SERVER_META = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation")
 
 WHOLE_OBJECT = "*"
@@ -115,11 +111,11 @@ class Registry:
         """Creates `obj`, given in `resource`'s representation. `from_client`: an HTTP request, so
         server-owned fields are reset and the namespace must exist; tests calling in-process
         may set status and get namespaces made for them."""
-        obj = self._typed(resource, clone(obj))
+        obj = typed(resource, clone(obj))
         meta = obj.setdefault("metadata", {})
         if not isinstance(meta, dict):
             raise bad_request("metadata: must be an object")
-        namespace = self._check_namespace(resource, meta, namespace)
+        namespace = check_namespace(resource, meta, namespace)
         if not meta.get("name"):
             prefix = meta.get("generateName")
             if not prefix:
@@ -130,7 +126,7 @@ class Registry:
                     [("metadata.name", "FieldValueRequired", "Required value: name or generateName is required")],
                 )
             meta["name"] = prefix + "".join(self._random.choices(string.ascii_lowercase + string.digits, k=5))
-        self._check_name(resource, meta["name"])
+        check_name(resource, meta["name"])
         if resource.namespaced:
             self._require_namespace(namespace, create=not from_client)
         if self.store.get(resource.storage, (namespace, meta["name"])) is not None:
@@ -144,7 +140,7 @@ class Registry:
             obj["status"] = clone(resource.reset_status_on_create)
         elif resource is NAMESPACES:
             obj.setdefault("status", {"phase": "Active"})
-        self._validate(resource, obj, creating=True)
+        validate(resource, obj, creating=True)
         return self.store.put(resource.storage, obj)
 
     # --- update and patch --------------------------------------------------------------
@@ -160,9 +156,9 @@ class Registry:
         from_client: bool = True,
     ) -> tuple[dict[str, Any], bool]:
         """PUT. Returns (stored, created)."""
-        body, obj = obj, self._typed(resource, clone(obj))
+        body, obj = obj, typed(resource, clone(obj))
         meta = obj.setdefault("metadata", {})
-        self._check_namespace(resource, meta, namespace)
+        check_namespace(resource, meta, namespace)
         if meta.get("name") != name:
             raise bad_request(
                 f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})"
@@ -263,7 +259,7 @@ class Registry:
                     meta.pop(field_name, None)
         new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-        self._validate(resource, new, creating=False)
+        validate(resource, new, creating=False)
         if new == old:
             return old  # a no-op write is not committed: no new revision, no event
         if _spec_of(new) != _spec_of(old):
@@ -384,69 +380,6 @@ class Registry:
             "",
             from_client=False,
         )
-
-    @staticmethod
-    def _typed(resource: Resource, obj: Any) -> dict[str, Any]:
-        """The stored form of a request body; a missing apiVersion/kind defaults to the endpoint's."""
-        if not isinstance(obj, dict):
-            raise bad_request("the request body must be a JSON object")
-        api_version = obj.setdefault("apiVersion", resource.api_version)
-        kind = obj.setdefault("kind", resource.kind)
-        if (api_version, kind) != (resource.api_version, resource.kind):
-            raise bad_request(
-                f"apiVersion/kind: {api_version}/{kind} does not match the endpoint's "
-                f"{resource.api_version}/{resource.kind}"
-            )
-        return resource.unwire(obj)
-
-    @staticmethod
-    def _check_namespace(resource: Resource, meta: dict[str, Any], namespace: str) -> str:
-        if not resource.namespaced:
-            meta.pop("namespace", None)
-            return ""
-        given = meta.get("namespace")
-        if given and given != namespace:
-            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
-        meta["namespace"] = namespace
-        return namespace
-
-    @staticmethod
-    def _check_name(resource: Resource, name: str) -> None:
-        pattern, limit = (_DNS_LABEL, 63) if resource is NAMESPACES else (_DNS_SUBDOMAIN, 253)
-        if not isinstance(name, str) or not pattern.match(name) or len(name) > limit:
-            raise invalid(
-                resource.kind,
-                str(name),
-                resource.group,
-                [
-                    (
-                        "metadata.name",
-                        "FieldValueInvalid",
-                        f"Invalid value: {name!r}: a lowercase RFC 1123 "
-                        f"{'label' if resource is NAMESPACES else 'subdomain'} must consist of lower case "
-                        "alphanumeric characters, '-' or '.'",
-                    )
-                ],
-            )
-
-    @staticmethod
-    def _validate(resource: Resource, obj: dict[str, Any], *, creating: bool) -> None:
-        meta = obj["metadata"]
-        for field_name in ("labels", "annotations"):
-            values = meta.get(field_name)
-            if values is not None and (
-                not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values())
-            ):
-                raise invalid(
-                    resource.kind,
-                    meta["name"],
-                    resource.group,
-                    [(f"metadata.{field_name}", "FieldValueInvalid", "Invalid value: values must be strings")],
-                )
-        if resource.storage == "events":
-            causes = event_causes(obj, events_api=resource.from_wire is not None, creating=creating)
-            if causes:
-                raise invalid(resource.kind, meta["name"], resource.group, causes)
 
 
 def _spec_of(obj: dict[str, Any]) -> dict[str, Any]:

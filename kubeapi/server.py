@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import json
-import re
 import secrets
 import ssl
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -35,6 +32,9 @@ from kubeapi.selectors import (
     parse_label_selector,
 )
 from kubeapi.store import Key, Store
+from kubeapi import routes
+from kubeapi.faults import FailureRules
+from kubeapi.routes import Route, json_response, read_body
 from kubeapi.watching import serve_watch
 
 
@@ -55,23 +55,6 @@ class RecordedRequest(NamedTuple):
     method: str
     path: str
     query: dict[str, str]
-
-
-@dataclass
-class _FailRule:
-    method: str
-    path: re.Pattern[str]
-    status: int
-    remaining: int
-    watch: bool | None
-
-
-@dataclass(frozen=True)
-class _Route:
-    resource: Resource
-    namespace: str | None
-    name: str | None
-    subresource: str | None
 
 
 class FakeKubeAPI:
@@ -110,7 +93,7 @@ class FakeKubeAPI:
         self.internal_errors: list[str] = []
         """Tracebacks of requests the stand-in itself failed on; the kube_api fixture fails the test on any."""
         self._waiters: set[asyncio.Future[None]] = set()
-        self._fail_rules: list[_FailRule] = []
+        self._failures = FailureRules()
         self._store = Store(history_limit=history_limit, on_change=self._notify)
         self._registry = Registry(
             self._store,
@@ -262,11 +245,7 @@ class FakeKubeAPI:
         """The next `times` requests whose method matches (or "*") and whose path matches
         `path_regex` (re.search) answer `status` with a Status body. `watch`: only watch
         requests (True), only non-watch requests (False), or both (None)."""
-        if times < 1:
-            raise ValueError(f"times: must be at least 1, got {times}")
-        if not 400 <= status <= 599:
-            raise ValueError(f"status: must be an HTTP error code, got {status}")
-        self._fail_rules.append(_FailRule(method.upper(), re.compile(path_regex), status, times, watch))
+        self._failures.add(method, path_regex, status, times, watch)
 
     # --- waiting -----------------------------------------------------------------------
 
@@ -321,61 +300,24 @@ class FakeKubeAPI:
             if request.headers.get("Authorization") != f"Bearer {self.token}":
                 raise ApiError(401, "Unauthorized")
             is_watch = parse_bool(query.get("watch"), "watch")
-            self._injected_failure(request.method, request.path, is_watch)
+            self._failures.check(request.method, request.path, is_watch)
             if request.path in ("/healthz", "/livez", "/readyz"):
                 return web.Response(text="ok")
             if request.path in ("/version", "/version/"):
-                return _json({"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"})
+                return json_response({"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"})
             if request.method == "GET" and (found := discovery.document(request.path, f"127.0.0.1:{self._port}")):
-                return _json(found)
-            route = self._route(request.path)
+                return json_response(found)
+            route = routes.resolve(request.path)
             return await self._dispatch(request, route, query, is_watch)
         except ApiError as e:
-            return _json(e.status(), e.code)
+            return json_response(e.status(), e.code)
         except Exception as e:
             # A bug in the stand-in, not in the client: answered 500 and kept for the fixture to report.
             self.internal_errors.append(f"{request.method} {request.path}: {traceback.format_exc()}")
-            return _json(ApiError(500, f"internal error: {e!r}").status(), 500)
-
-    def _injected_failure(self, method: str, path: str, is_watch: bool) -> None:
-        for rule in self._fail_rules:
-            if rule.method not in ("*", method) or not rule.path.search(path):
-                continue
-            if rule.watch is not None and rule.watch != is_watch:
-                continue
-            rule.remaining -= 1
-            if rule.remaining == 0:
-                self._fail_rules.remove(rule)
-            raise ApiError(rule.status, f"injected failure for {method} {path}")
-
-    @staticmethod
-    def _route(path: str) -> _Route:
-        parts = [p for p in path.split("/") if p]
-        if parts[:2] == ["api", "v1"]:
-            group, version, rest = "", "v1", parts[2:]
-        elif len(parts) >= 3 and parts[0] == "apis":
-            group, version, rest = parts[1], parts[2], parts[3:]
-        else:
-            raise ApiError(404, "the server could not find the requested resource")
-        namespace = None
-        if len(rest) >= 3 and rest[0] == "namespaces" and not (len(rest) == 3 and group == "" and rest[2] == "status"):
-            namespace, rest = rest[1], rest[2:]
-        resource = resources.by_path(group, version, rest[0]) if rest else None
-        if resource is None or len(rest) > 3 or (namespace is not None and not resource.namespaced):
-            raise ApiError(404, "the server could not find the requested resource")
-        name = rest[1] if len(rest) > 1 else None
-        subresource = rest[2] if len(rest) > 2 else None
-        if name is not None and resource.namespaced and namespace is None:
-            raise ApiError(404, "the server could not find the requested resource")
-        allowed = {"status"} if resource.status_subresource else set()
-        if resource.storage == "pods":
-            allowed.add("eviction")
-        if subresource is not None and subresource not in allowed:
-            raise ApiError(404, "the server could not find the requested resource")
-        return _Route(resource, namespace, name, subresource)
+            return json_response(ApiError(500, f"internal error: {e!r}").status(), 500)
 
     async def _dispatch(
-        self, request: web.Request, route: _Route, query: dict[str, str], is_watch: bool
+        self, request: web.Request, route: Route, query: dict[str, str], is_watch: bool
     ) -> web.StreamResponse:
         resource, method = route.resource, request.method
         if "dryRun" in query:
@@ -395,23 +337,23 @@ class FakeKubeAPI:
                 )
             if method == "GET":
                 selected = selection(resource, route.namespace, query)
-                return _json(await list_collection(self._store, selected, query, self._await_revision))
+                return json_response(await list_collection(self._store, selected, query, self._await_revision))
             if method == "POST" and (route.namespace is not None or not resource.namespaced):
-                stored = self._registry.create(resource, await _body(request), namespace, from_client=True)
-                return _json(resource.wire(stored), 201)
+                stored = self._registry.create(resource, await read_body(request), namespace, from_client=True)
+                return json_response(resource.wire(stored), 201)
             raise ApiError(405, f"the server does not allow this method on the requested resource: {method}")
         if route.subresource == "eviction":
             if method != "POST":
                 raise ApiError(405, f"the server does not allow this method on the requested resource: {method}")
-            self._registry.evict(namespace, route.name, await _body(request))
-            return _json({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, 201)
+            self._registry.evict(namespace, route.name, await read_body(request))
+            return json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, 201)
         if method == "GET":
-            return _json(resource.wire(self._registry.get(resource, namespace, route.name)))
+            return json_response(resource.wire(self._registry.get(resource, namespace, route.name)))
         if method == "PUT":
             stored, created = self._registry.replace(
-                resource, namespace, route.name, await _body(request), subresource=route.subresource
+                resource, namespace, route.name, await read_body(request), subresource=route.subresource
             )
-            return _json(resource.wire(stored), 201 if created else 200)
+            return json_response(resource.wire(stored), 201 if created else 200)
         if method == "PATCH":
             patch_type = PATCH_TYPES.get(request.content_type)
             if patch_type is None:
@@ -421,14 +363,14 @@ class FakeKubeAPI:
                     "types include: " + ", ".join(PATCH_TYPES),
                 )
             stored = self._registry.patch(
-                resource, namespace, route.name, await _body(request), patch_type, subresource=route.subresource
+                resource, namespace, route.name, await read_body(request), patch_type, subresource=route.subresource
             )
-            return _json(resource.wire(stored))
+            return json_response(resource.wire(stored))
         if method == "DELETE" and route.subresource is None:
-            body = await _body(request) if request.can_read_body else None
+            body = await read_body(request) if request.can_read_body else None
             options = DeleteOptions.parse(body, query.get("gracePeriodSeconds"))
             stored = self._registry.delete(resource, namespace, route.name, options, from_client=True)
-            return _json(resource.wire(stored))
+            return json_response(resource.wire(stored))
         raise ApiError(405, f"the server does not allow this method on the requested resource: {method}")
 
     def _close_watches(self, how: str) -> None:
@@ -446,17 +388,3 @@ class FakeKubeAPI:
         if namespace:
             raise ValueError(f"namespace: {resource.kind} is cluster-scoped, got namespace {namespace!r}")
         return "", name
-
-
-def _json(body: dict[str, Any], status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
-
-
-async def _body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
