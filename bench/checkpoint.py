@@ -41,7 +41,7 @@ def measure(state_mb: float, repeats: int, root: Path) -> dict[str, Any]:
     import torch
 
     from trainer.checkpoint import AppState, Checkpointer, TrainerState, folder_bytes, step_dir
-    from trainer.config import config_from_dict
+    from trainer.config_loading import config_from_dict
     from trainer.distributed import build_sharded_model, init_runtime
 
     cfg = config_from_dict({"model": _model_for(state_mb), "checkpoint": {"dir": str(root), "keep_last": 1}})

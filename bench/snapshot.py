@@ -45,7 +45,7 @@ def worker(state_mb: float, steps: int, rounds: int, out: Path) -> None:
 
     from bench.checkpoint import _model_for
     from trainer.boundary import agree
-    from trainer.config import config_from_dict
+    from trainer.config_loading import config_from_dict
     from trainer.distributed import build_sharded_model, init_runtime
     from trainer.snapshot import Snapshots, state_bytes
 

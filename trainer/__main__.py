@@ -20,7 +20,8 @@ import structlog
 from regroup.failures import failure_kind, record_failure
 from regroup.telemetry import configure_logging, configure_tracing
 from trainer.batching import BatchSplitError
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError
+from trainer.config_loading import load_config
 from trainer.stopping import StopSignal, hard_exit
 
 log = structlog.get_logger("regroup.trainer")

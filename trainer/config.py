@@ -1,51 +1,20 @@
-"""The trainer's settings: one frozen dataclass tree, parsed once from YAML/JSON.
+"""The trainer's settings: one frozen dataclass tree, validated at construction.
 
-``load_config(path, overrides, env)`` reads the file, applies ``--set a.b=value``
-overrides, fills the etcd section from the environment, and validates everything
-with messages that name the field (``batch.global_batch_size: must be >= 1``).
-Nothing below this module reads the environment.
+Every field says what it means; a bad value raises ``ConfigError`` with a message that
+names the field (``batch.global_batch_size: must be >= 1``). Building the tree from a
+file, ``--set`` overrides and the environment is ``trainer.config_loading``'s job.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import json
-import re
-import types
-import typing
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal
-
-import yaml
+from typing import Literal
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the field."""
 
-
-def parse_duration(value: Any, name: str) -> timedelta:
-    """``30``, ``1.5``, ``"250ms"``, ``"30s"``, ``"2m"``, ``"1h"`` -> timedelta."""
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a duration, got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", value)
-        if not match:
-            raise ConfigError(f"{name}: expected a duration like 30s, 250ms, 2m; got {value!r}")
-        scale = {"ms": 0.001, "s": 1.0, None: 1.0, "m": 60.0, "h": 3600.0}[match.group(2)]
-        seconds = float(match.group(1)) * scale
-    else:
-        raise ConfigError(f"{name}: expected a duration, got {value!r}")
-    if seconds < 0:
-        raise ConfigError(f"{name}: must not be negative")
-    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -309,128 +278,3 @@ class TrainConfig:
 def _positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{name}: must be >= 1" if isinstance(value, int) else f"{name}: must be > 0")
-
-
-# --- parsing ---------------------------------------------------------------------------
-
-
-def _convert(tp: Any, value: Any, name: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for inner in (a for a in args if a is not type(None)):
-            try:
-                return _convert(inner, value, name)
-            except ConfigError as exc:
-                errors.append(str(exc).removeprefix(f"{name}: "))
-        raise ConfigError(f"{name}: {' or '.join(errors)}")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            choices = ", ".join(repr(c) for c in typing.get_args(tp))
-            raise ConfigError(f"{name}: must be one of {choices}; got {value!r}")
-        return value
-    if origin is tuple:
-        (inner, _) = typing.get_args(tp)
-        if not isinstance(value, Sequence) or isinstance(value, str):
-            raise ConfigError(f"{name}: expected a list")
-        return tuple(_convert(inner, v, f"{name}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, name)
-    if tp is timedelta:
-        return parse_duration(value, name)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{name}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{name}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{name}: unsupported type {tp!r}")
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown field (known: {', '.join(sorted(names))})")
-    kwargs = {k: _convert(hints[k], v, f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"{prefix or 'config'}: {exc}") from exc
-
-
-def apply_override(tree: dict[str, Any], assignment: str) -> None:
-    """Apply ``a.b.c=value`` (value read as a YAML scalar) to a nested dict in place."""
-    key, sep, raw = assignment.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set {assignment!r}: expected key.sub=value")
-    parts = key.strip().split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {assignment!r}: {part} is not a section")
-        node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-
-
-def config_from_dict(
-    data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None, overrides: Sequence[str] = ()
-) -> TrainConfig:
-    """Build and validate a TrainConfig from plain data, the environment and overrides."""
-    env = env or {}
-    tree: dict[str, Any] = copy.deepcopy(dict(data or {}))
-    for assignment in overrides:
-        apply_override(tree, assignment)
-    etcd_section = tree.get("etcd")
-    if etcd_section is not None or env.get("REGROUP_ETCD_ENDPOINT"):
-        section = dict(etcd_section or {})
-        section.setdefault("endpoint", env.get("REGROUP_ETCD_ENDPOINT", ""))
-        section.setdefault("job", env.get("TORCHELASTIC_RUN_ID", ""))
-        section.setdefault("namespace", env.get("POD_NAMESPACE") or "default")
-        tree["etcd"] = section
-    faults_env = env.get("REGROUP_TRAINER_FAULTS")
-    if faults_env:
-        try:
-            tree["faults"] = list(tree.get("faults") or []) + list(json.loads(faults_env))
-        except ValueError as exc:
-            raise ConfigError(f"REGROUP_TRAINER_FAULTS: not a JSON list: {exc}") from exc
-    return _build(TrainConfig, tree, "")
-
-
-def load_config(
-    path: str | Path | None, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
-) -> TrainConfig:
-    """Read a YAML or JSON config file (or none: all defaults) and validate it."""
-    data: Any = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path}: not YAML/JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: expected a mapping at the top level")
-    return config_from_dict(data, env, overrides)

@@ -457,7 +457,7 @@ TRAINERS = [(w, t) for w, t in WORKERS if "trainer" in t["spec"]["containers"][0
 def test_training_example_checkpoints_to_a_shared_volume_and_its_config_fits_every_world_size(
     where: str, template: dict[str, Any]
 ) -> None:
-    from trainer.config import load_config
+    from trainer.config_loading import load_config
 
     spec = template["spec"]
     (trainer,) = spec["containers"]

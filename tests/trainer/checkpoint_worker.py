@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from tests.trainer.harness import TINY_MODEL
 from trainer.checkpoint import AppState, Checkpointer, TrainerState
-from trainer.config import config_from_dict
+from trainer.config_loading import config_from_dict
 from trainer.distributed import build_sharded_model, init_runtime
 from trainer.stopping import hard_exit
 

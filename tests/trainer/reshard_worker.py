@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from trainer.config import load_config
+from trainer.config_loading import load_config
 from trainer.distributed import init_runtime
 from trainer.loop import RunInfo, TrainingRun
 from trainer.stopping import StopSignal, hard_exit

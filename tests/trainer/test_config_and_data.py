@@ -11,7 +11,8 @@ import torch
 
 from regroup.records import CheckpointRequest
 from trainer.batching import BatchSplitError, plan_batches
-from trainer.config import ConfigError, config_from_dict, load_config
+from trainer.config import ConfigError
+from trainer.config_loading import config_from_dict, load_config
 from trainer.control import pending_generation
 from trainer.data import SyntheticTokens, TokenFile
 from trainer.schedule import lr_at

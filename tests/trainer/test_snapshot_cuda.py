@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.config import config_from_dict
+from trainer.config_loading import config_from_dict
 from trainer.distributed import build_sharded_model, init_runtime
 from trainer.snapshot import Snapshots
 

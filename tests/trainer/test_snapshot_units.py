@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ConfigError, config_from_dict
+from trainer.config import ConfigError
+from trainer.config_loading import config_from_dict
 from trainer.reshard import HeldState
 from trainer.snapshot import (
     CostMeter,
