@@ -40,7 +40,9 @@ def _model_for(state_mb: float) -> dict[str, int]:
 def measure(state_mb: float, repeats: int, root: Path) -> dict[str, Any]:
     import torch
 
-    from trainer.checkpoint import AppState, Checkpointer, TrainerState, folder_bytes, step_dir
+    from trainer.app_state import AppState, TrainerState
+    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint_folders import folder_bytes, step_dir
     from trainer.config_loading import config_from_dict
     from trainer.distributed import build_sharded_model, init_runtime
 

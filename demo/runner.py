@@ -248,7 +248,7 @@ async def _controller(cluster: LocalCluster, etcd: EtcdSettings, ready: asyncio.
 
 def _latest_checkpoint(root: Path) -> int | None:
     # Imported here: it brings torch, which only the end of a run needs.
-    from trainer.checkpoint import latest_committed
+    from trainer.checkpoint_folders import latest_committed
 
     return latest_committed(root) if root.is_dir() else None
 

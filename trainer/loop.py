@@ -31,15 +31,9 @@ from regroup.records import CheckpointAck, CheckpointRequest, Progress
 from regroup.telemetry import context_from_traceparent
 from trainer.batching import BatchPlan, plan_batches
 from trainer.boundary import Boundary, agree
-from trainer.checkpoint import (
-    AppState,
-    Checkpointer,
-    TrainerState,
-    checkpoint_id,
-    folder_bytes,
-    latest_committed,
-    step_dir,
-)
+from trainer.app_state import AppState, TrainerState
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_folders import checkpoint_id, folder_bytes, latest_committed, step_dir
 from trainer.config import TrainConfig
 from trainer.control import JobChannel, pending_generation
 from trainer.data import batch, make_source

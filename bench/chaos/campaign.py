@@ -34,7 +34,7 @@ from bench.chaos.observe import Finding
 from bench.chaos.plan import CONTROLLER_KILL, KINDS, Fault, draw_plan
 from demo.nodes import RunLayout
 from regroup.records import ReformPhase
-from trainer.checkpoint import list_steps
+from trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
 

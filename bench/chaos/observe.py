@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import structlog
+import torch.distributed.checkpoint  # noqa: F401 - torch takes seconds to import: before any event loop runs
 
 from demo.local_cluster import LocalCluster
 from demo.processes import process_tree
@@ -25,7 +26,7 @@ from regroup.etcd import EtcdSettings
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, Progress, RecordError, ReformPhase
 from rendezvous.records import JoinRecord, RoundState
-from trainer.checkpoint import list_steps  # brings torch: imported before any event loop runs
+from trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
 

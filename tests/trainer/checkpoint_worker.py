@@ -15,7 +15,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
 from tests.trainer.harness import TINY_MODEL
-from trainer.checkpoint import AppState, Checkpointer, TrainerState
+from trainer.app_state import AppState, TrainerState
+from trainer.checkpoint import Checkpointer
 from trainer.config_loading import config_from_dict
 from trainer.distributed import build_sharded_model, init_runtime
 from trainer.stopping import hard_exit

@@ -19,7 +19,7 @@ from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, Record, ReformRequest
 from regroup.telemetry import read_spans
 from tests.trainer.harness import full_state, torchrun_argv, write_config
-from trainer.checkpoint import COMMIT_MARKER, list_steps, step_dir
+from trainer.checkpoint_folders import COMMIT_MARKER, list_steps, step_dir
 from trainer.config import EtcdConfig
 from trainer.control import JobChannel
 
