@@ -47,7 +47,8 @@ def worker(state_mb: float, steps: int, rounds: int, out: Path) -> None:
     from trainer.boundary import agree
     from trainer.config_loading import config_from_dict
     from trainer.distributed import build_sharded_model, init_runtime
-    from trainer.snapshot import Snapshots, state_bytes
+    from trainer.snapshot import Snapshots
+    from trainer.snapshot_cost import state_bytes
 
     cfg = config_from_dict({"model": _model_for(state_mb)})
     rt = init_runtime(dict(os.environ), "auto", timeout=timedelta(minutes=10))

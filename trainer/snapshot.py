@@ -18,19 +18,17 @@ rank's share of model + optimizer state.
 A rank and its buddy are on different nodes, and in different failure domains when the
 ranks know theirs (``REGROUP_FAILURE_DOMAIN``, else the node's zone, ``REGROUP_ZONE``, which
 the topology init container exports).
+
+The buffers' layout and the choice of buddies are ``trainer.snapshot_layout``; the memory
+check and the measured cost behind ``every: auto`` are ``trainer.snapshot_cost``.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -38,172 +36,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config import ConfigError
-from trainer.reshard import HeldState, chunk_rows, flat_state, split_state
+from trainer.reshard import HeldState, flat_state, split_state
+from trainer.snapshot_cost import (
+    CostMeter,
+    SnapshotMemoryError,
+    check_host_memory,
+    host_memory_available,
+    interval_for,
+    state_bytes,
+)
+from trainer.snapshot_layout import STAMP, Layout, buddies, layout_for
 
 log = structlog.get_logger("regroup.trainer.snapshot")
 
-STALL_BUDGET = 0.02
-"""With ``every: auto``: the share of step time snapshots may cost."""
-QUIET_STEPS = 4
-"""With ``every: auto``: steps timed without snapshots before the first one."""
-MAX_AUTO_EVERY = 1000
 GENERATIONS = 2
 """Buffers per side: the newest complete generation and the one being made."""
-_ALIGN = 16
-_STAMP = torch.int64
-
-
-class SnapshotMemoryError(ConfigError):
-    """Host memory cannot hold the snapshots; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each tensor of one rank's state sits in a flat byte buffer; the last bytes
-    stamp the step and the rank, written after everything else is copied."""
-
-    entries: tuple[Entry, ...]
-    nbytes: int
-
-    @staticmethod
-    def of(shapes: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
-        entries, offset = [], 0
-        for key, shape, dtype in shapes:
-            entries.append(Entry(key, tuple(shape), dtype, offset))
-            offset += -(-entries[-1].nbytes // _ALIGN) * _ALIGN
-        return Layout(tuple(entries), offset + _ALIGN)
-
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {e.key: buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries}
-
-    def stamp(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[self.nbytes - _ALIGN :].view(_STAMP)
-
-
-def layout_for(template: HeldState, rank: int, world_size: int) -> Layout:
-    """The layout of ``rank``'s state, derived from any rank's: a ``Shard(0)`` key holds rows
-    ``[rank * c, (rank + 1) * c)`` of its global shape, c = ceil(rows / world) (torch.chunk)."""
-    shapes = []
-    for key, tensor in sorted(template.tensors.items()):
-        shape = tuple(tensor.shape)
-        if key in template.sharded:
-            full = template.shapes[key]
-            rows = chunk_rows(full[0], world_size)
-            shape = (max(0, min(rows, full[0] - rank * rows)), *full[1:])
-        shapes.append((key, shape, tensor.dtype))
-    return Layout.of(shapes)
-
-
-def buddies(places: Sequence[tuple[str, str]]) -> list[int]:
-    """``buddy[r]`` for each rank, given each rank's (failure domain, node): a rotation of the
-    ranks ordered by place, the shift chosen so the fewest pairs share a node, then a
-    domain. Every rank sends to one rank and receives from one."""
-    n = len(places)
-    order = sorted(range(n), key=lambda r: (places[r], r))
-    per_node: dict[tuple[str, str], int] = {}
-    per_domain: dict[str, int] = {}
-    for place in places:
-        per_node[place] = per_node.get(place, 0) + 1
-        per_domain[place[0]] = per_domain.get(place[0], 0) + 1
-    shifts = {s % n for s in (max(per_node.values()), max(per_domain.values()), *range(1, min(n, 33)))} - {0}
-
-    def cost(shift: int) -> tuple[int, int, int]:
-        pairs = [(places[order[i]], places[order[(i + shift) % n]]) for i in range(n)]
-        return sum(a == b for a, b in pairs), sum(a[0] == b[0] for a, b in pairs), shift
-
-    best = min(shifts, key=cost) if shifts else 0
-    buddy = [0] * n
-    for i, rank in enumerate(order):
-        buddy[rank] = order[(i + best) % n]
-    return buddy
-
-
-def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """Bytes of host memory this node can still give: MemAvailable, capped by the cgroup's limit."""
-    available = 0
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        used = int((cgroup / "memory.current").read_text()) if limit != "max" else 0
-        return available if limit == "max" else min(available, int(limit) - used)
-    except (OSError, ValueError):  # no cgroup v2 limit readable: the node's figure stands
-        return available
-
-
-def check_host_memory(needed_per_rank: int, ranks_on_node: int, available: int) -> None:
-    """Refuse (``SnapshotMemoryError``) when the node's ranks' snapshots would not fit in 90%
-    of the host memory available; the message names the setting that turns them off."""
-    needed = needed_per_rank * ranks_on_node
-    if needed > 0.9 * available:
-        gib = 1 << 30
-        raise SnapshotMemoryError(
-            f"snapshot.every: in-memory snapshots need {needed_per_rank / gib:.2f} GiB of host memory per rank "
-            f"({ranks_on_node} on this node: {needed / gib:.2f} GiB) and {available / gib:.2f} GiB is available; "
-            "give the pod more memory, or set snapshot.every: 0 to train without them "
-            "(a node lost without notice then costs the steps since the last committed checkpoint)"
-        )
-
-
-def state_bytes(model: nn.Module) -> int:
-    """This rank's share of model + AdamW state (parameters and two moments), in bytes."""
-    total = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return 3 * total
-
-
-def interval_for(cost: float) -> int:
-    """Steps between snapshots that keep a snapshot's ``cost`` (a share of one step) under
-    ``STALL_BUDGET`` of the step time."""
-    return max(1, min(MAX_AUTO_EVERY, math.ceil(cost / STALL_BUDGET - 1e-9)))
-
-
-class CostMeter:
-    """What a snapshot costs the loop, measured: the steps that ran while one was copied or
-    exchanged (which takes cores on CPU; memory bandwidth and the GIL on GPU; the loop's
-    waits for it included) against those that ran without."""
-
-    def __init__(self, window: int = 16) -> None:
-        self.quiet: deque[float] = deque(maxlen=window)
-        self.busy: deque[float] = deque(maxlen=window)
-        self._busy_steps = 0
-        self._busy_per_snapshot = 1
-
-    def record(self, step_s: float, busy: bool) -> None:
-        (self.busy if busy else self.quiet).append(step_s)
-        self._busy_steps += busy
-
-    def snapshot_done(self) -> None:
-        """A snapshot completed: the steps it overlapped are what one costs."""
-        self._busy_per_snapshot, self._busy_steps = max(1, self._busy_steps), 0
-
-    def has_baseline(self) -> bool:
-        return len(self.quiet) >= QUIET_STEPS
-
-    def cost(self) -> float:
-        """Extra time of the steps one snapshot overlaps, as a share of a step without one
-        (0 until both kinds were seen). A world's first step warms up: not in the baseline."""
-        if not self.has_baseline() or not self.busy:
-            return 0.0
-        base = statistics.median(list(self.quiet)[1:])
-        extra = max(0.0, statistics.median(self.busy) - base)
-        return extra * self._busy_per_snapshot / base if base > 0 else 0.0
 
 
 @dataclass
@@ -438,7 +285,7 @@ class Snapshots:
                         self._stream.synchronize()
                 else:
                     torch._foreach_copy_([views[k] for k in keys], sources)
-            self._own_layout.stamp(own).copy_(torch.tensor([generation.step, self.rank], dtype=_STAMP))
+            self._own_layout.stamp(own).copy_(torch.tensor([generation.step, self.rank], dtype=STAMP))
         finally:
             generation.copied.set()
         if self.world_size == 1:

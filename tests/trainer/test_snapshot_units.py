@@ -10,16 +10,8 @@ import torch
 from trainer.config import ConfigError
 from trainer.config_loading import config_from_dict
 from trainer.reshard import HeldState
-from trainer.snapshot import (
-    CostMeter,
-    Layout,
-    SnapshotMemoryError,
-    buddies,
-    check_host_memory,
-    host_memory_available,
-    interval_for,
-    layout_for,
-)
+from trainer.snapshot_cost import CostMeter, SnapshotMemoryError, check_host_memory, host_memory_available, interval_for
+from trainer.snapshot_layout import Layout, buddies, layout_for
 
 
 def _is_rotation(buddy: list[int]) -> bool:
