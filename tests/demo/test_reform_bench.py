@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from bench.reform import METRICS, fitting, measure, metric_table, versus, world_change_table
+from bench.reform.play import fitting
+from bench.reform.report import METRICS, measure, metric_table, versus, world_change_table
 from demo.analysis import load_run
 from demo.resizes import first_progress_at, reform_latencies, reform_plans, scripted_resizes, world_changes
 from demo.scenario import load_scenario, resolve_scenario_path, with_overrides

@@ -1,0 +1,36 @@
+"""``python -m bench reform [--quick]``: in-place re-forms vs restarting the workers vs plain torchrun.
+
+Plays one demo scenario (``default`` unless ``--scenario``) three times in one run, one
+mode after the other on the same machine:
+
+- ``regroup``: ``regroup-run --standby`` with the controller; workers survive a re-form
+  in place (same process, new process group);
+- ``regroup-restart``: the same rendezvous and controller, plain torchrun agents: every
+  re-form restarts every worker;
+- ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller.
+
+For each mode it measures, from the recorded run (``demo.analysis``):
+
+- planned reclaim: the reclaim taint -> the first training step at one node fewer, and
+  the steps lost;
+- abrupt loss: the kill -> the first training step at one node fewer;
+- grow: the moment the join window closed (the grow plan's ``decided_at``; without a
+  controller, the restore plus the scenario's join window) -> the first training step
+  at the larger size;
+- flaky node: seconds without training after the flaky event, and its lost steps;
+- goodput;
+- for the controlled modes, how each new world was reached (``in-place`` or
+  ``restart``) and where its resume time went, as the trainer reported it.
+
+Every number is shown with its ratio to the in-place mode measured in the same run, and
+beside the goal. The tables go to stdout, ``reform.md`` and ``reform.json`` in the run
+folder. ``--quick`` shortens the run to 110 s and leaves out the events that no longer
+fit (the flaky node). ``--runs`` tabulates recorded run folders again.
+
+``play`` drives the scenario in each mode, ``report`` measures the recorded runs and
+tabulates them, ``cli`` is the command.
+"""
+
+from bench.reform.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,219 @@
+"""What ``bench reform`` measures in a recorded run, and the tables it prints: each metric
+beside its goal and its ratio to the reference mode, and every new world with how it was
+reached and where its resume time went."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from demo.analysis import RunData, event_impacts, goodput
+from demo.resizes import reform_latencies, training_at, world_changes
+from regroup.records import Progress
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the table."""
+
+    key: str
+    label: str
+    unit: str
+    """``s``, ``steps`` or ``%``."""
+    goal: float | None = None
+    """At most this (``s``) or at least this (``%``)."""
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("reclaim_s", "planned reclaim: taint -> training at {reclaim_ranks}", "s", 1.5),
+    Metric("reclaim_lost_steps", "planned reclaim: steps lost", "steps"),
+    Metric("loss_s", "abrupt loss: kill -> training at {loss_ranks}", "s", 3.0),
+    Metric("loss_lost_steps", "abrupt loss: steps lost", "steps"),
+    Metric("grow_s", "grow: join window closed -> training at {grow_ranks}", "s", 2.0),
+    Metric("grow_lost_steps", "grow: steps lost", "steps"),
+    Metric("flaky_s", "flaky node: seconds without training", "s", 10.0),
+    Metric("flaky_lost_steps", "flaky node: steps lost", "steps"),
+    Metric("goodput", "goodput (useful training time / wall time)", "%", 0.90),
+)
+_EVENT_KEYS = {"reclaim": "reclaim", "lose": "loss", "restore": "grow"}
+
+
+def measure(run: RunData, join_window: float) -> dict[str, Any]:
+    """The metrics of one recorded run, keyed as ``METRICS``. A key is absent for an event
+    the run did not play; None means the new size never came (latencies) or the job was
+    not training (flaky, with ``flaky_note``)."""
+    out: dict[str, Any] = {"mode": run.meta.get("mode_label", run.mode), "run": str(run.root), "goodput": goodput(run)}
+    latencies = reform_latencies(run, join_window)
+    for latency in latencies:
+        key = _EVENT_KEYS[latency.event.reason]
+        if f"{key}_s" in out:
+            continue  # a scenario with two of a kind: the table shows the first, the events list all
+        out[f"{key}_s"] = latency.seconds
+        out[f"{key}_lost_steps"] = latency.lost_steps
+        out[f"{key}_ranks"] = f"{latency.ranks_after} ranks (from {latency.ranks_before})"
+        out[f"{key}_from"] = latency.start_from
+    out["events"] = [
+        {
+            "event": latency.event.reason,
+            "nodes": list(latency.event.nodes),
+            "at_s": round(latency.event.time - run.started_at, 2),
+            "ranks_before": latency.ranks_before,
+            "ranks_after": latency.ranks_after,
+            "measured_from": latency.start_from,
+            "measured_from_s": round(latency.start - run.started_at, 2),
+            "seconds": None if latency.seconds is None else round(latency.seconds, 3),
+            "lost_steps": latency.lost_steps,
+        }
+        for latency in latencies
+    ]
+    flaky = next((i for i in event_impacts(run) if i.event.reason == "flaky"), None)
+    if flaky is not None:
+        trained = training_at(run, flaky.event.time)
+        out["flaky_s"] = flaky.downtime if trained else None
+        out["flaky_lost_steps"] = flaky.lost_steps if trained else None
+        if not trained:
+            out["flaky_note"] = "not training when the node turned flaky"
+    out["world_changes"] = [
+        {
+            "at_s": round(change.at - run.started_at, 2),
+            "round": change.round,
+            "ranks": f"{change.ranks_before}->{change.ranks_after}",
+            "cause": change.cause,
+            "planned": change.planned,
+            "mode": change.mode,
+            "plan_mode": change.plan_mode,
+            "resume_phases": change.resume_phases,
+        }
+        for change in world_changes(run)
+    ]
+    return out
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if abs(value) < 10 else f"{value:.1f} s"
+
+
+def format_value(metric: Metric, value: float | None, missing: str = "never") -> str:
+    if value is None:
+        return missing
+    if metric.unit == "s":
+        return _seconds(value)
+    if metric.unit == "%":
+        return f"{value:.0%}"
+    return str(int(value))
+
+
+def versus(metric: Metric, ours: float | None, theirs: float | None, missing: str = "never") -> str:
+    """``theirs`` with its ratio to ``ours``: ``8.9 s (6.8x)``, ``never (-)``."""
+    text = format_value(metric, theirs, missing)
+    if theirs is None or ours is None or ours == 0:
+        return f"{text} (-)"
+    return f"{text} ({theirs / ours:.1f}x)" if metric.unit != "%" else f"{text} ({theirs / ours:.2f}x)"
+
+
+def goal_met(metric: Metric, value: float | None) -> str:
+    if metric.goal is None:
+        return ""
+    if value is None:
+        return "**no**"
+    met = value >= metric.goal if metric.unit == "%" else value <= metric.goal
+    return "yes" if met else "**no**"
+
+
+def _goal_text(metric: Metric) -> str:
+    if metric.goal is None:
+        return ""
+    return f">= {metric.goal:.0%}" if metric.unit == "%" else f"<= {metric.goal:g} s"
+
+
+def metric_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown rows: one per metric, one column per mode; the first mode is the reference."""
+    ours = results[0]
+    modes = [r["mode"] for r in results]
+    head = f"| metric | goal | {ours['mode']} |" + "".join(f" {m} (x {ours['mode']}) |" for m in modes[1:])
+    rows = [head + f" {ours['mode']} meets the goal? |", "|---" * (len(results) + 3) + "|"]
+    footnotes: list[str] = []
+    for metric in METRICS:
+        if all(metric.key not in r for r in results):
+            continue
+        label = metric.label.format(**{k: ours.get(k, "?") for k in ("reclaim_ranks", "loss_ranks", "grow_ranks")})
+        cells = [format_value(metric, ours.get(metric.key), _absent(ours, metric))]
+        for other in results[1:]:
+            cell = versus(metric, ours.get(metric.key), other.get(metric.key), _absent(other, metric))
+            if metric.key == "grow_s" and other.get("grow_from") == "restore + join window":
+                cell += " †"
+                note = "† no grow plan (no controller): measured from the restore + the scenario's join window."
+                if note not in footnotes:
+                    footnotes.append(note)
+            cells.append(cell)
+        met = goal_met(metric, ours.get(metric.key))
+        rows.append(f"| {label} | {_goal_text(metric)} | {' | '.join(cells)} | {met} |")
+    return rows + ([""] + footnotes if footnotes else [])
+
+
+def _absent(result: dict[str, Any], metric: Metric) -> str:
+    """What a run shows for a metric it has no value for."""
+    if metric.key not in result:
+        return "not played"
+    return "not training" if metric.key.startswith("flaky") else "never"
+
+
+def world_change_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown rows: every new world of every mode, with how it was reached and the resume split.
+
+    ``workers`` is the trainer's word; where the controller's plan recorded another mode,
+    the plan's follows in brackets.
+    """
+    rows = ["| mode | t (s) | round | cause | ranks | workers | resume split (s) |", "|---|---|---|---|---|---|---|"]
+    for result in results:
+        for change in result["world_changes"]:
+            phases = change["resume_phases"]
+            split = ", ".join(f"{p} {phases[p]:.2f}" for p in _ordered(phases))
+            total = f" = {sum(phases.values()):.2f}" if phases else ""
+            cause = change["cause"] or "(no plan)"
+            if change["cause"] and change["planned"]:
+                cause += " (planned)"
+            workers = change["mode"] or "?"
+            if change["cause"] and change["plan_mode"] != change["mode"]:
+                workers += f" (plan: {change['plan_mode'] or 'none'})"
+            rows.append(
+                f"| {result['mode']} | {change['at_s']:.1f} | {change['round'] or '-'} | {cause} | {change['ranks']} "
+                f"| {workers} | {split or '-'}{total} |"
+            )
+    return rows
+
+
+def _ordered(phases: dict[str, float]) -> list[str]:
+    rank = {name: i for i, name in enumerate(Progress.RESUME_PHASES)}
+    return sorted(phases, key=lambda p: (rank.get(p, len(rank)), p))
+
+
+def mode_counts(results: Sequence[dict[str, Any]]) -> list[str]:
+    lines = []
+    for result in results:
+        changes = result["world_changes"]
+        counts: dict[str, int] = {}
+        for change in changes:
+            mode = change["mode"] or "not reported"
+            counts[mode] = counts.get(mode, 0) + 1
+        detail = ", ".join(f"{n} {mode}" for mode, n in sorted(counts.items()))
+        counted = f"- {result['mode']}: {len(changes)} new worlds after the first"
+        lines.append(counted + (f": {detail}" if detail else ""))
+    return lines
+
+
+def render(results: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
+    return "\n".join(
+        [
+            *header,
+            "",
+            *metric_table(results),
+            "",
+            "New worlds, as the trainer's rank 0 reported them (cause: the controller's plan for that round):",
+            "",
+            *world_change_table(results),
+            "",
+            *mode_counts(results),
+        ]
+    )
