@@ -8,12 +8,14 @@ Under ``regroup-run`` the process outlives its world: on a re-form it leaves the
 group (at the agreed boundary, or when a collective failed because a peer went away),
 forms the next one through ``ElasticWorld``, rebuilds what depends on the world (batch
 plan, FSDP2 sharding, optimizer, checkpointer) and restores the state, then trains on.
+
+Its parts: ``trainer.progress`` (what rank 0 publishes), ``trainer.checkpoint_requests``
+(requests, the hold at a boundary), ``trainer.inplace_reform`` (changing world in place).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,38 +29,31 @@ import torch
 import torch.nn.functional as F
 from opentelemetry import trace
 
-from regroup.records import CheckpointAck, CheckpointRequest, Progress
-from regroup.telemetry import context_from_traceparent
+from regroup.records import CheckpointRequest
+from trainer.app_state import AppState, TrainerState
 from trainer.batching import BatchPlan, plan_batches
 from trainer.boundary import Boundary, agree
-from trainer.app_state import AppState, TrainerState
 from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folders import checkpoint_id, folder_bytes, latest_committed, step_dir
+from trainer.checkpoint_folders import latest_committed
+from trainer.checkpoint_requests import CheckpointRequests
 from trainer.config import TrainConfig
 from trainer.control import JobChannel, pending_generation
 from trainer.data import batch, make_source
-from trainer.distributed import Runtime, build_sharded_model, runtime_on_default_group
+from trainer.distributed import Runtime, build_sharded_model
+from trainer.inplace_reform import InPlaceReforms
 from trainer.model import count_parameters
+from trainer.progress import Counters, ProgressReports
+from trainer.reshard import HeldState, redistribute
 from trainer.schedule import lr_at
-from trainer.stopping import StopSignal, exit_code
-from trainer.handoff import hand_off
-from trainer.reshard import HeldState, hold_state, redistribute
 from trainer.snapshot import Snapshots
+from trainer.stopping import StopSignal, exit_code
 from trainer.world_change import WorldChange
-from rendezvous.inplace.world import Interrupted, Membership, ReformFailed
+from rendezvous.inplace.world import Interrupted
 
 if TYPE_CHECKING:
     from rendezvous.inplace.world import ElasticWorld
 
 log = structlog.get_logger("regroup.trainer")
-
-# Poll period while holding at a boundary for the re-form (one tiny collective each).
-_HOLD_POLL_S = 0.2
-# How long rank 0 waits for etcd to take its progress before a commit or a re-form.
-_RECORD_WAIT = timedelta(milliseconds=500)
-# How long a rank at the agreed boundary waits for its own agent's announcement (which says
-# whether its node is leaving): agents announce within one monitor interval of each other.
-_ANNOUNCE_WAIT = timedelta(seconds=2)
 
 
 @dataclass(frozen=True)
@@ -75,23 +70,7 @@ class RunInfo:
     """Ranks of this job on this node (torchrun's LOCAL_WORLD_SIZE), for the memory check."""
 
 
-@dataclass
-class Counters:
-    """What this process did; published in ``progress.extra`` so tests and dashboards see it."""
-
-    checkpoint_saves: int = 0
-    """Saves started (periodic, on request, at the end)."""
-    requests_honoured: int = 0
-    """Checkpoint requests saved for (and acked by rank 0)."""
-    last_stall_s: float = 0.0
-    """Time the loop was blocked by the latest save."""
-    snapshot_stall_s: float = 0.0
-    """Time the loop waited for in-memory snapshot copies, in total."""
-    state: str = "starting"
-    """starting, training, holding, stopped or finished."""
-
-
-class TrainingRun:
+class TrainingRun(ProgressReports, CheckpointRequests, InPlaceReforms):
     """One incarnation of the trainer on one rank: build, resume, train, checkpoint, stop."""
 
     def __init__(
@@ -184,58 +163,6 @@ class TrainingRun:
         folder.mkdir(parents=True, exist_ok=True)
         return open(folder / f"samples-w{self.rt.world_size}-r{self.rt.rank}.jsonl", "a")
 
-    def progress(self) -> Progress:
-        c = self.counters
-        return Progress(
-            step=self.state.step,
-            loss=0.0 if math.isnan(self.last_loss) else self.last_loss,
-            samples_seen=self.state.samples_seen,
-            world_size=self.rt.world_size,
-            time=time.time(),
-            tokens_per_s=self.tokens_per_s,
-            resumed_from_step=self.resumed_from,
-            restart_count=self.info.restart_count,
-            round=self.world.round if self.world is not None else 0,
-            reform_mode=self.change.mode,
-            resume_phases=dict(self.change.phases),
-            extra={
-                "state": c.state,
-                "checkpoint_saves": c.checkpoint_saves,
-                "requests_honoured": c.requests_honoured,
-                "last_checkpoint_stall_s": round(c.last_stall_s, 6),
-                "last_committed_step": None if self.checkpointer is None else self.checkpointer.last_committed,
-                **self._snapshot_progress(),
-            },
-        )
-
-    def _snapshot_progress(self) -> dict[str, Any]:
-        snapshots = self.snapshots
-        if snapshots is None:
-            return {}
-        return {
-            "snapshot_every": snapshots.every,
-            "snapshot_step": None if snapshots.committed is None else snapshots.committed.step,
-            "snapshot_stall_s": round(self.counters.snapshot_stall_s, 6),
-            "snapshot_host_bytes": snapshots.host_bytes,
-        }
-
-    def last_words(self) -> Progress:
-        """Progress for a forced exit (the watchdog's): the last completed step."""
-        self.counters.state = "stopped"
-        return self.progress()
-
-    def _record_reached(self) -> None:
-        """Rank 0 publishes the step reached before anything can resume from it (a commit
-        marker, leaving the world): no resume point is ever newer than the progress seen."""
-        if self.channel is not None:
-            self.channel.publish_progress(self.progress(), wait=True, timeout=_RECORD_WAIT)
-            self._last_progress_time = time.monotonic()
-
-    def publish(self, wait: bool = False) -> None:
-        if self.channel is not None:
-            self.channel.publish_progress(self.progress(), wait=wait)
-            self._last_progress_time = time.monotonic()
-
     # --- start --------------------------------------------------------------------
 
     def resume(self, held: list[HeldState] | None = None) -> None:
@@ -275,36 +202,6 @@ class TrainingRun:
             self.change.mode = "restart"  # this process was started for a world that had state
         self.resumed_from = step
         log.info("resumed", step=step, world_size=self.rt.world_size, load_s=round(load_s, 3), plan=str(self.plan))
-
-    def _resumed(self, step_s: float) -> None:
-        """After the first step in a new world: record it, publish at once, emit the span."""
-        change = self.change
-        change.add("first_step", step_s)
-        change.first_step_done = True
-        if self.rt.rank != 0:
-            return
-        self.publish()
-        if not (self.resumed_from or change.mode):
-            return  # the job's first start resumed nothing
-        traceparent = change.traceparent
-        if not traceparent and self.channel is not None and self.channel.latest_reform is not None:
-            traceparent = self.channel.latest_reform.traceparent
-        attributes: dict[str, Any] = {
-            "regroup.resumed_from_step": self.resumed_from,
-            "regroup.world_size": self.rt.world_size,
-            "regroup.restart_count": self.info.restart_count,
-            "regroup.reform.mode": change.mode or "start",
-        }
-        attributes.update({f"regroup.resume.{k}_s": v for k, v in change.phases.items()})
-        if "load" in change.phases:
-            attributes["regroup.load_duration_s"] = change.phases["load"]
-        span = self.tracer.start_span(
-            "regroup.trainer.resume",
-            context=context_from_traceparent(traceparent),
-            start_time=change.started_ns,
-            attributes=attributes,
-        )
-        span.end()
 
     # --- one step -----------------------------------------------------------------
 
@@ -385,17 +282,6 @@ class TrainingRun:
             self.snapshots.settled()
         return decided, request if decided.generation else None
 
-    def _reform_due(self) -> bool:
-        return self.world is not None and self.world.reform_due()
-
-    def _leave_if_due(self, decided: Boundary) -> None:
-        """An announced re-form, or a peer stopping while this rank was not asked to (its
-        node is leaving the job), ends this world here, at a boundary every rank agreed on."""
-        if self.world is None or not self.world.in_place:
-            return
-        if decided.reform or (decided.stop and not self.stop.requested):
-            raise Interrupted("re-form at this step boundary" if decided.reform else "a peer is leaving")
-
     def save(self, *, wait: bool) -> float:
         assert self.checkpointer is not None
         result = self.checkpointer.save(self.app, self.state.step, use_async=None)
@@ -405,83 +291,6 @@ class TrainingRun:
         self.counters.last_stall_s = result.stall_s
         self._last_save_time = time.monotonic()
         return result.stall_s
-
-    def honour_request(self, generation: int, request: CheckpointRequest | None) -> None:
-        """Save and commit a checkpoint at this boundary, then ack (rank 0)."""
-        assert self.checkpointer is not None
-        step = self.state.step
-        started = time.perf_counter()
-        parent = context_from_traceparent(request.traceparent if request is not None else "")
-        span = self.tracer.start_span("regroup.trainer.checkpoint", context=parent) if self.rt.rank == 0 else None
-        # Reuse a save of this very step (periodic or in flight) instead of writing it twice.
-        if self.checkpointer.in_flight_step == step:
-            self.checkpointer.finish()
-        elif self.checkpointer.last_committed != step:
-            self.save(wait=True)
-        duration = time.perf_counter() - started
-        self.counters.requests_honoured += 1
-        if self.rt.rank == 0:
-            assert span is not None
-            size = folder_bytes(step_dir(self.checkpointer.root, step))
-            span.set_attributes(
-                {
-                    "regroup.step": step,
-                    "regroup.generation": generation,
-                    "regroup.checkpoint.duration_s": duration,
-                    "regroup.checkpoint.bytes": size,
-                    "regroup.world_size": self.rt.world_size,
-                }
-            )
-            span.end()
-            acked = False
-            if self.channel is not None:
-                acked = self.channel.ack(
-                    CheckpointAck(
-                        generation=generation,
-                        step=step,
-                        checkpoint_id=checkpoint_id(step),
-                        duration_s=duration,
-                        world_size=self.rt.world_size,
-                        acked_at=time.time(),
-                    ),
-                    deadline=request.deadline if request is not None else time.time(),
-                )
-            log.info(
-                "checkpoint request honoured",
-                generation=generation,
-                step=step,
-                acked=acked,
-                duration_s=round(duration, 3),
-            )
-
-    def hold(self, request: CheckpointRequest | None) -> bool:
-        """With ``hold``, wait at this boundary for the re-form (SIGTERM) until the request's
-        deadline. Every rank enters; only rank 0 knows the request, so each round is agreed.
-        True if a stop came; False when there is no hold (or its deadline passed)."""
-        while True:
-            holding = request is not None and request.hold and time.time() < request.deadline
-            decided = agree(
-                self.rt.control_group,
-                self.rt.world_size,
-                generation=int(holding),
-                stop=self.stop.requested,
-                save_due=False,
-                loss=0.0,
-                reform=self._reform_due(),
-            )
-            self._leave_if_due(decided)
-            if decided.stop:
-                return True
-            if not decided.generation:
-                if self.counters.state == "holding":
-                    log.info("checkpoint hold deadline passed; training on", step=self.state.step)
-                    self.counters.state = "training"
-                return False
-            if self.counters.state != "holding":
-                self.counters.state = "holding"
-                log.info("holding for the re-form", step=self.state.step)
-                self.publish()
-            self.stop.wait(_HOLD_POLL_S)
 
     # --- exits ----------------------------------------------------------------------
 
@@ -569,112 +378,9 @@ class TrainingRun:
                 self.stop.wait(floor - (time.perf_counter() - started))
         return self.finish()
 
-    # --- in-place re-forms ---------------------------------------------------------------
-
-    def reform(self, clean: bool) -> bool:
-        """Leave this world, form the next one, rebuild and restore; False if a stop came
-        while waiting (the caller exits). ``clean``: every rank left at one agreed boundary,
-        so the state in memory is consistent; otherwise only committed checkpoints are."""
-        assert self.world is not None
-        self.counters.state = "re-forming"
-        if self.checkpointer is not None:
-            if clean and self.checkpointer.in_flight_step is not None:
-                try:
-                    self.checkpointer.finish()
-                except Exception as exc:  # a peer vanished mid-save: that save never commits
-                    log.warning("in-flight checkpoint failed with the world", error=str(exc)[:200])
-                    self.checkpointer.abandon()
-            else:
-                self.checkpointer.abandon()
-        old_world, old_step = self.rt.world_size, self.state.step
-        refuse_at = self._fault_step("refuse_reform")
-        if refuse_at is not None and old_step >= refuse_at:
-            raise ReformFailed(f"injected: rank {self.rt.rank} refuses the re-form at step {old_step}")
-        held, leaving = self._hold(clean) if self.cfg.reform.in_memory else ([], False)
-        if self.snapshots is not None:
-            if not leaving and self.cfg.reform.in_memory:
-                # The newest step the survivors hold whole wins: the live state after an agreed
-                # boundary, else the snapshots (a node lost without notice, a failed hand-off).
-                held += self.snapshots.held()
-            self.snapshots.close()
-            self.snapshots = None
-        if leaving:
-            # This node is leaving the job: its shards are with a survivor; its agent stops it.
-            self.world.leave()
-            self.stop.wait(self.world.timeout.total_seconds())
-            return False
-        while True:
-            self.change = WorldChange(mode="in-place")
-            try:
-                membership = self.world.rejoin(stop=lambda: self.stop.requested, timeout=self.cfg.reform.wait)
-            except ReformFailed:
-                if self.stop.requested:
-                    return False
-                raise
-            try:
-                runtime = self._restore_in(membership, held)
-                break
-            except Exception as exc:
-                # The new world lost a member before it trained (its collectives failed): the
-                # state held in memory is intact, so form the next world with it.
-                if not self.world.interrupted(exc):
-                    raise
-                log.warning("the new world failed while restoring; forming the next one", round=membership.round,
-                            why=str(exc)[:200])
-        del held
-        if not {"reshard", "load"} & set(self.change.phases) and self.state.step:
-            # Nothing in memory or committed to restore: start over, as a restarted job would.
-            self.state.step = self.state.samples_seen = 0
-        log.info(
-            "re-formed in place",
-            round=membership.round,
-            rank=runtime.rank,
-            world_size=f"{old_world}->{runtime.world_size}",
-            step=f"{old_step}->{self.state.step}",
-            phases=self.change.phases,
-        )
-        return True
-
-    def _restore_in(self, membership: Membership, held: list[HeldState]) -> Runtime:
-        """Build this rank's part of the world just formed and restore the state into it."""
-        assert self.world is not None
-        started = time.perf_counter()
-        structlog.contextvars.bind_contextvars(rank=membership.rank)
-        runtime = runtime_on_default_group(self.rt.local_rank, self.rt.device, self.world.timeout)
-        self.change.add("process_group", self.world.last_process_group_s + time.perf_counter() - started)
-        self.change.traceparent = membership.traceparent
-        if self._sample_log is not None:
-            self._sample_log.close()
-        self._attach(runtime, None)
-        self.resumed_from = 0
-        self.resume(held)
-        return runtime
-
-    def _hold(self, clean: bool) -> tuple[list[HeldState], bool]:
-        """At an agreed boundary: keep this rank's shards, and take part in the hand-off of
-        leaving ranks' shards over the old world. Returns (states held, this rank is leaving).
-        Any failure (a peer gone meanwhile) leaves the checkpoint to restore from."""
-        if not clean or self.world is None:
-            return [], False
-        try:
-            own = hold_state(self.model, self.optimizer, self.rt.rank, self.rt.world_size, self.state.step)
-        except ValueError as exc:
-            log.warning("cannot hold the state in memory", why=str(exc)[:200])
-            return [], False
-        note = self.world.announcement(_ANNOUNCE_WAIT)
-        leaving = bool(note is not None and note.pending and note.leaving)
-        try:
-            return hand_off(own, leaving), leaving
-        except Exception as exc:  # a peer went away during the hand-off
-            log.warning("shard hand-off failed; the checkpoint will be used", why=str(exc)[:200])
-            return ([] if leaving else [own]), leaving
-
     def _periodic_due(self, decided: Boundary) -> bool:
         every = self.cfg.checkpoint.every_steps
         return decided.save_due or (every > 0 and self.state.step % every == 0)
-
-    def _progress_interval(self) -> float:
-        return self.cfg.etcd.progress_interval.total_seconds() if self.cfg.etcd else float("inf")
 
     def finish(self) -> int:
         if self.checkpointer is not None:
@@ -691,3 +397,4 @@ class TrainingRun:
             self.channel.publish_progress(self.progress(), wait=True)
         log.info("finished", step=self.state.step, loss=self.last_loss)
         return 0
+

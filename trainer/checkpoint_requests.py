@@ -1,0 +1,122 @@
+"""A controller's checkpoint request, on the trainer's side: save and commit at the agreed
+step boundary, ack (rank 0), and with ``hold`` wait there for the re-form that follows
+until the request's deadline (zero lost steps on a planned resize)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from regroup.records import CheckpointAck, CheckpointRequest
+from regroup.telemetry import context_from_traceparent
+from trainer.boundary import agree
+from trainer.checkpoint_folders import checkpoint_id, folder_bytes, step_dir
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
+    from trainer.app_state import TrainerState
+    from trainer.checkpoint import Checkpointer
+    from trainer.control import JobChannel
+    from trainer.distributed import Runtime
+    from trainer.progress import Counters
+    from trainer.stopping import StopSignal
+
+log = structlog.get_logger("regroup.trainer")
+
+# Poll period while holding at a boundary for the re-form (one tiny collective each).
+_HOLD_POLL_S = 0.2
+
+
+class CheckpointRequests:
+    """Answering checkpoint requests (a part of ``trainer.loop.TrainingRun``; ``save`` is the
+    run's, ``publish`` is ``trainer.progress``'s, ``_reform_due`` and ``_leave_if_due`` are
+    ``trainer.inplace_reform``'s)."""
+
+    rt: Runtime
+    stop: StopSignal
+    state: TrainerState
+    counters: Counters
+    channel: JobChannel | None
+    checkpointer: Checkpointer | None
+    tracer: Tracer
+
+    def honour_request(self, generation: int, request: CheckpointRequest | None) -> None:
+        """Save and commit a checkpoint at this boundary, then ack (rank 0)."""
+        assert self.checkpointer is not None
+        step = self.state.step
+        started = time.perf_counter()
+        parent = context_from_traceparent(request.traceparent if request is not None else "")
+        span = self.tracer.start_span("regroup.trainer.checkpoint", context=parent) if self.rt.rank == 0 else None
+        # Reuse a save of this very step (periodic or in flight) instead of writing it twice.
+        if self.checkpointer.in_flight_step == step:
+            self.checkpointer.finish()
+        elif self.checkpointer.last_committed != step:
+            self.save(wait=True)
+        duration = time.perf_counter() - started
+        self.counters.requests_honoured += 1
+        if self.rt.rank == 0:
+            assert span is not None
+            size = folder_bytes(step_dir(self.checkpointer.root, step))
+            span.set_attributes(
+                {
+                    "regroup.step": step,
+                    "regroup.generation": generation,
+                    "regroup.checkpoint.duration_s": duration,
+                    "regroup.checkpoint.bytes": size,
+                    "regroup.world_size": self.rt.world_size,
+                }
+            )
+            span.end()
+            acked = False
+            if self.channel is not None:
+                acked = self.channel.ack(
+                    CheckpointAck(
+                        generation=generation,
+                        step=step,
+                        checkpoint_id=checkpoint_id(step),
+                        duration_s=duration,
+                        world_size=self.rt.world_size,
+                        acked_at=time.time(),
+                    ),
+                    deadline=request.deadline if request is not None else time.time(),
+                )
+            log.info(
+                "checkpoint request honoured",
+                generation=generation,
+                step=step,
+                acked=acked,
+                duration_s=round(duration, 3),
+            )
+
+    def hold(self, request: CheckpointRequest | None) -> bool:
+        """With ``hold``, wait at this boundary for the re-form (SIGTERM) until the request's
+        deadline. Every rank enters; only rank 0 knows the request, so each round is agreed.
+        True if a stop came; False when there is no hold (or its deadline passed)."""
+        while True:
+            holding = request is not None and request.hold and time.time() < request.deadline
+            decided = agree(
+                self.rt.control_group,
+                self.rt.world_size,
+                generation=int(holding),
+                stop=self.stop.requested,
+                save_due=False,
+                loss=0.0,
+                reform=self._reform_due(),
+            )
+            self._leave_if_due(decided)
+            if decided.stop:
+                return True
+            if not decided.generation:
+                if self.counters.state == "holding":
+                    log.info("checkpoint hold deadline passed; training on", step=self.state.step)
+                    self.counters.state = "training"
+                return False
+            if self.counters.state != "holding":
+                self.counters.state = "holding"
+                log.info("holding for the re-form", step=self.state.step)
+                self.publish()
+            self.stop.wait(_HOLD_POLL_S)
+
