@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +35,20 @@ async def cancelled_by_sigterm(coro: Coroutine[Any, Any, T]) -> T:
         return await coro
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def exit_codes(program: str, logs: Path) -> Iterator[None]:
+    """Ctrl-C or SIGTERM ends ``program`` with status 130; an OS or runtime failure with 1,
+    saying where the logs are. Either way the ``finally`` blocks around it still run."""
+    try:
+        yield
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"{program}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"{program}: {exc} (logs in {logs})", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,15 +111,10 @@ def run(args: argparse.Namespace) -> int:
     provider = configure_tracing("regroup-controller", spans_file=str(layouts[controlled[0]].spans)) if controlled else None
     live = False if args.no_live else None
     try:
-        for mode, layout in zip(modes, layouts):
-            print(f"regroup demo: playing {scenario.name!r} on {mode} ({scenario.duration.total_seconds():.0f}s) in {layout.root}")
-            asyncio.run(cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live)))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("regroup demo: interrupted", file=sys.stderr)
-        return 130
-    except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"regroup demo: {exc} (logs in {layouts[0].logs})", file=sys.stderr)
-        return 1
+        with exit_codes("regroup demo", layouts[0].logs):
+            for mode, layout in zip(modes, layouts):
+                print(f"regroup demo: playing {scenario.name!r} on {mode} ({scenario.duration.total_seconds():.0f}s) in {layout.root}")
+                asyncio.run(cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live)))
     finally:
         if provider is not None:
             provider.shutdown()

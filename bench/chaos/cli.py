@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     from bench.chaos.campaign import CampaignSettings, run_campaign
     from bench.chaos.report import render, to_json
-    from demo.main import cancelled_by_sigterm
+    from demo.main import cancelled_by_sigterm, exit_codes
     from regroup.telemetry import configure_logging, configure_tracing
 
     root = args.out / (args.name or f"chaos-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -68,13 +68,8 @@ def main(argv: list[str]) -> int:
         configure_logging(stream=log_stream)
         provider = configure_tracing("regroup-controller", spans_file=str(root / "spans.jsonl"))
         try:
-            result = asyncio.run(cancelled_by_sigterm(run_campaign(settings)))
-        except (KeyboardInterrupt, asyncio.CancelledError):
-            print("bench chaos: interrupted", file=sys.stderr)
-            return 130
-        except (OSError, RuntimeError, TimeoutError) as exc:
-            print(f"bench chaos: {exc} (logs in {root / 'logs'})", file=sys.stderr)
-            return 1
+            with exit_codes("bench chaos", root / "logs"):
+                result = asyncio.run(cancelled_by_sigterm(run_campaign(settings)))
         finally:
             provider.shutdown()
     load = (load_before, os.getloadavg()[0])

@@ -8,7 +8,6 @@ to stdout, ``reform.md`` and ``reform.json``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 from bench.reform.play import MODES, TAIL_S, VARIANTS, fitting, play
 from bench.reform.report import METRICS, measure, render
 from demo.analysis import RunData, load_run
+from demo.main import exit_codes
 from demo.scenario import (
     JobSpec,
     ScenarioError,
@@ -64,14 +64,8 @@ def _play_from(args: argparse.Namespace, header: list[str]) -> list[RunData] | i
         header.append(f"left out, less than {TAIL_S:.0f} s before the end: {'; '.join(dropped)}")
         print(f"bench reform: {header[-1]}")
     started = time.time()
-    try:
+    with exit_codes("bench reform", root / "logs"):
         folders = play(scenario, modes, root)
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("bench reform: interrupted", file=sys.stderr)
-        return 130
-    except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"bench reform: {exc} (logs in {root / 'logs'})", file=sys.stderr)
-        return 1
     header.append(
         f"played {scenario.name!r} ({scenario.duration.total_seconds():.0f} s of scenario) on "
         f"{', '.join(modes)}, one after the other, in {time.time() - started:.0f} s wall: {root}"
