@@ -1,27 +1,18 @@
-"""Keeps the model's etcd half current: list the job prefix, then watch it.
+"""Keeps the model's etcd half current through one reflector over every job's keys.
 
-One watch covers every job under the prefix; it breaks when etcd restarts or compacts,
-and then the prefix is listed again (everything absent is gone) and watched from the
-listed revision, with back-off between failures.
+Its listings (the first, and one after each lost watch: etcd restarted or compacted) go
+to ``etcd_resynced``, where everything absent is gone; its changes to ``etcd_put`` and
+``etcd_delete``, waking no job for the controller's own writes.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-
-import grpc
-import structlog
 
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel
 from regroup import etcd as etcd_layer
-
-log = structlog.get_logger("regroup.controller.etcd")
-
-ETCD_ERRORS = (etcd_layer.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError)
 
 
 class OwnWrites:
@@ -51,38 +42,23 @@ async def mirror_etcd(
     own: OwnWrites,
     retry: timedelta,
     retry_max: timedelta,
-    on_synced: Callable[[], None],
 ) -> None:
     """List and watch ``prefix`` into ``model`` until cancelled."""
-    delay = retry.total_seconds()
-    head = prefix.rstrip("/") + "/"
-    first = True
-    while True:
-        try:
-            listing = await client.get_prefix(head.encode())
-            items = [(kv.key.decode(), kv.value, kv.mod_revision) for kv in listing.kvs]
-            model.etcd_resynced(items)
-            on_synced()
-            watch = await etcd_layer.open_watch(client, head.encode(), start_revision=listing.header.revision + 1)
-            if not first:
-                log.info("etcd watch re-established", revision=listing.header.revision)
-            first = False
-            try:
-                async for event in watch:
-                    key = event.kv.key.decode()
-                    revision = event.kv.mod_revision
-                    wake = not own.claim(revision)
-                    if event.kind == etcd_layer.EventKind.PUT:
-                        model.etcd_put(key, event.kv.value, revision, wake=wake)
-                    else:
-                        model.etcd_delete(key, revision, wake=wake)
-                    delay = retry.total_seconds()
-            finally:
-                await etcd_layer.close_watch(watch)
-        except asyncio.CancelledError:
-            raise
-        except ETCD_ERRORS as exc:
-            metrics.watch_restarts.labels("etcd").inc()
-            log.warning("etcd watch broken; listing again", error=f"{type(exc).__name__}: {exc}", retry_in=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, retry_max.total_seconds())
+
+    def apply(event: etcd_layer.ReflectorEvent) -> None:
+        if isinstance(event, etcd_layer.Listed):
+            model.etcd_resynced([(item.key, item.value, item.revision) for item in event.items])
+        elif isinstance(event, etcd_layer.Put):
+            model.etcd_put(event.key, event.value, event.revision, wake=not own.claim(event.revision))
+        else:
+            model.etcd_delete(event.key, event.revision, wake=not own.claim(event.revision))
+
+    reflector = etcd_layer.Reflector(
+        client,
+        prefix.rstrip("/") + "/",
+        apply,
+        backoff=etcd_layer.Backoff(retry, retry_max),
+        on_lost=lambda _: metrics.watch_restarts.labels("etcd").inc(),
+        name="controller-etcd-mirror",
+    )
+    await reflector.run()

@@ -9,11 +9,9 @@ starts a re-form's ``detect`` phase and, for taints without ``timeAdded``, its n
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 from controller.cluster import NodeInfo, PodInfo
 from controller.disruption import disruption_key
@@ -21,7 +19,7 @@ from controller.jobconfig import ResolvedConfig, resolve_job_config
 from controller.settings import JobDefaults
 from controller.signals import NodeVerdict, member_seen_key, node_verdict, signal_key
 from controller.snapshot import FleetView, JobSnapshot
-from regroup.keys import DEFAULT_PREFIX, JobKeys
+from regroup.keys import DEFAULT_PREFIX, JobKeys, KeyKind, read_record
 from regroup.records import (
     CheckpointAck,
     CheckpointRequest,
@@ -36,9 +34,8 @@ from regroup.records import (
     ReformPhase,
     ReformPlan,
     ReformRequest,
+    RoundState,
 )
-
-R = TypeVar("R", bound=Record)
 
 JobId = tuple[str, str]
 """(namespace, job)."""
@@ -94,9 +91,18 @@ class JobState:
         return not self.pods and not self.members and self.plan is None and self.progress is None
 
 
-def _as(cls: type[R], value: bytes | Record) -> R:
-    """``value`` as a ``cls`` record: our own writes arrive decoded already."""
-    return value if isinstance(value, cls) else cls.from_json(value)  # type: ignore[return-value]
+_RECORD_FIELDS: dict[KeyKind, tuple[str, str | None]] = {
+    KeyKind.PLAN: ("plan", "plan_revision"),
+    KeyKind.CHECKPOINT: ("checkpoint", None),
+    KeyKind.EXPECTED: ("expected", None),
+    KeyKind.REFORM: ("reform", None),
+    KeyKind.CONTROLLER: ("presence", None),
+    KeyKind.STATUS: ("status", None),
+    KeyKind.EXCLUDED: ("exclusions", None),
+    KeyKind.PROGRESS: ("progress", "progress_revision"),
+}
+"""The ``JobState`` fields that hold each single-record key of a job: its record, and the
+record's mod_revision where one is kept."""
 
 
 class FirstSeen(Mapping[str, float]):
@@ -341,21 +347,25 @@ class ClusterModel:
 
     def job_put(self, job_id: JobId, rest: str, value: bytes | Record, revision: int, wake: bool = True) -> None:
         """``etcd_put`` for a key already split into its job and the part below the job root."""
-        if rest.startswith("rdzv/") and rest != "rdzv/state":
+        found = KeyKind.match(rest)
+        if found is None or found[0] in (KeyKind.JOIN, KeyKind.ROUND_STORE):
             return
-        state = self._job(job_id)
-        now = self._clock()
+        kind, params = found
         try:
-            changed = self._apply_put(job_id, state, rest, value, revision, now)
+            # Our own writes arrive decoded already.
+            record = value if isinstance(value, Record) else read_record(kind, value)
         except RecordError:
             return  # a record this version cannot read is not ours to act on
-        if changed and wake:
+        state = self._job(job_id)
+        if self._apply_put(job_id, state, kind, params, record, revision, self._clock()) and wake:
             self._on_dirty(job_id)
 
-    def _apply_put(self, job_id: JobId, state: JobState, rest: str, value: bytes | Record, revision: int, now: float) -> bool:
-        if rest.startswith("members/"):
-            node = rest[len("members/") :]
-            member = _as(MemberRecord, value)
+    def _apply_put(
+        self, job_id: JobId, state: JobState, kind: KeyKind, params: dict[str, str], record: Record | None,
+        revision: int, now: float,
+    ) -> bool:
+        if isinstance(record, MemberRecord):
+            node, member = params["node"], record
             old = state.members.get(node)
             state.members[node] = member
             self.member_jobs.setdefault(node, set()).add(job_id)
@@ -370,34 +380,23 @@ class ClusterModel:
                 state.flagged = flagged
                 self._reflag(state, (node,))
             return True
-        if rest == "rdzv/state":
-            return self._round_formed(state, value, now)
-        if rest == "control/plan":
-            state.plan, state.plan_revision = _as(ReformPlan, value), revision
-        elif rest == "control/checkpoint":
-            state.checkpoint = _as(CheckpointRequest, value)
-        elif rest == "control/expected":
-            state.expected = _as(ExpectedMembership, value)
-        elif rest == "control/reform":
-            state.reform = _as(ReformRequest, value)
-        elif rest == "control/controller":
-            state.presence = _as(ControllerPresence, value)
-        elif rest == "control/status":
-            state.status = _as(JobStatus, value)
-        elif rest == "control/excluded":
-            state.exclusions = _as(Exclusions, value)
-        elif rest.startswith("acks/") and rest.endswith("/commit"):
-            ack = _as(CheckpointAck, value)
-            state.acks[ack.generation] = ack
-            state.first_seen.setdefault(signal_key("", f"ack:{ack.generation}"), now)
+        if isinstance(record, RoundState):
+            return self._round_formed(state, record, now)
+        if isinstance(record, CheckpointAck):
+            state.acks[record.generation] = record
+            state.first_seen.setdefault(signal_key("", f"ack:{record.generation}"), now)
             for old in sorted(state.acks)[:-8]:
                 del state.acks[old]
-        elif rest == "progress":
-            state.progress, state.progress_revision = _as(Progress, value), revision
+            return True
+        if kind not in _RECORD_FIELDS:
+            return False
+        field, revision_field = _RECORD_FIELDS[kind]
+        setattr(state, field, record)
+        if revision_field is not None:
+            setattr(state, revision_field, revision)
+        if kind is KeyKind.PROGRESS:
             # Not a first sighting: the time the latest progress record arrived.
             state.first_seen[signal_key("", "progress")] = now
-        else:
-            return False
         return True
 
     def etcd_delete(self, key: str, revision: int, wake: bool = True) -> None:
@@ -407,11 +406,13 @@ class ClusterModel:
         keys, rest = parsed
         job_id = (keys.namespace, keys.job)
         state = self.jobs.get(job_id)
-        if state is None or rest.startswith("rdzv/"):
+        found = KeyKind.match(rest)
+        if state is None or found is None:
             return
+        kind, params = found
         now = self._clock()
-        if rest.startswith("members/"):
-            node = rest[len("members/") :]
+        if kind is KeyKind.MEMBER:
+            node = params["node"]
             if state.members.pop(node, None) is not None:
                 state.first_seen.setdefault(signal_key(node, "member-gone"), now)
             jobs = self.member_jobs.get(node)
@@ -420,22 +421,11 @@ class ClusterModel:
                 if not jobs:
                     del self.member_jobs[node]
             self._update_world(state, now)
-        elif rest == "control/plan":
-            state.plan, state.plan_revision = None, 0
-        elif rest == "control/checkpoint":
-            state.checkpoint = None
-        elif rest == "control/expected":
-            state.expected = None
-        elif rest == "control/reform":
-            state.reform = None
-        elif rest == "control/controller":
-            state.presence = None
-        elif rest == "control/status":
-            state.status = None
-        elif rest == "control/excluded":
-            state.exclusions = None
-        elif rest == "progress":
-            state.progress, state.progress_revision = None, 0
+        elif kind in _RECORD_FIELDS:
+            field, revision_field = _RECORD_FIELDS[kind]
+            setattr(state, field, None)
+            if revision_field is not None:
+                setattr(state, revision_field, 0)
         else:
             return
         if state.empty() and job_id in self.jobs:
@@ -461,18 +451,9 @@ class ClusterModel:
             root = JobKeys(job_id[0], job_id[1], self._prefix).root
             for node in [n for n in state.members if f"members/{n}" not in have]:
                 self.etcd_delete(root + f"members/{node}", 0)
-            for rest, attr in (
-                ("control/plan", "plan"),
-                ("control/checkpoint", "checkpoint"),
-                ("control/expected", "expected"),
-                ("control/reform", "reform"),
-                ("control/controller", "presence"),
-                ("control/status", "status"),
-                ("control/excluded", "exclusions"),
-                ("progress", "progress"),
-            ):
-                if job_id in self.jobs and getattr(state, attr) is not None and rest not in have:
-                    self.etcd_delete(root + rest, 0)
+            for kind, (field, _) in _RECORD_FIELDS.items():
+                if job_id in self.jobs and getattr(state, field) is not None and kind.value not in have:
+                    self.etcd_delete(root + kind.value, 0)
         self.etcd_synced = True
         self._dirty(list(self.jobs))
         self._synced()
@@ -492,21 +473,10 @@ class ClusterModel:
         history = state.restarts.setdefault(node, deque(maxlen=_HISTORY))
         history.extend([now] * min(count, _HISTORY))
 
-    def _round_formed(self, state: JobState, value: bytes | Record, now: float) -> bool:
+    def _round_formed(self, state: JobState, round_state: RoundState, now: float) -> bool:
         """The rendezvous' own record of the last formed round (``rdzv/state``, owned by
         rendezvous/): the authority on which round is current and who is in it."""
-        try:
-            body = json.loads(value) if isinstance(value, (bytes, str)) else {}
-            formed, nodes = int(body["round"]), [str(n) for n in body.get("nodes", [])]
-            # Agent ids are "<node>@<joined_at>" (rendezvous.records.agent_id).
-            agents = {}
-            for agent in body.get("agents", []):
-                node, sep, joined = str(agent).rpartition("@")
-                if sep:
-                    agents[node] = float(joined)
-            closed = bool(body.get("closed", False))
-        except (ValueError, TypeError, KeyError):
-            return False
+        formed, nodes, agents, closed = round_state.round, round_state.nodes, round_state.joined_at(), round_state.closed
         if closed != state.closed:
             state.closed = closed
             return True

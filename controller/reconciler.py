@@ -37,7 +37,7 @@ from controller.snapshot import (
     WriteStatus,
 )
 from controller.tracing import emit_reform_trace, phase_times, reform_end
-from regroup.keys import JobKeys
+from regroup.keys import JobKeys, KeyKind
 from regroup.records import Record, ReformCause, ReformOutcome, ReformPhase, ReformPlan
 
 log = structlog.get_logger("regroup.controller")
@@ -149,17 +149,17 @@ class Reconciler:
         if isinstance(action, WritePlan):
             await self._write_plan(job, keys, action, now)
         elif isinstance(action, WriteCheckpointRequest):
-            await self._put(job, keys, keys.checkpoint, action.request)
+            await self._put(job, keys, KeyKind.CHECKPOINT, action.request)
         elif isinstance(action, WriteExpected):
-            await self._put(job, keys, keys.expected, action.expected)
+            await self._put(job, keys, KeyKind.EXPECTED, action.expected)
         elif isinstance(action, WriteReform):
-            await self._put(job, keys, keys.reform, action.request)
+            await self._put(job, keys, KeyKind.REFORM, action.request)
         elif isinstance(action, WritePresence):
-            await self._put(job, keys, keys.controller, action.presence, leased=True)
+            await self._put(job, keys, KeyKind.CONTROLLER, action.presence, leased=True)
         elif isinstance(action, WriteStatus):
-            await self._put(job, keys, keys.status, action.status)
+            await self._put(job, keys, KeyKind.STATUS, action.status)
         elif isinstance(action, WriteExclusions):
-            await self._put(job, keys, keys.excluded, action.exclusions)
+            await self._put(job, keys, KeyKind.EXCLUDED, action.exclusions)
         elif isinstance(action, Cordon):
             await self._cordon(action, now)
         elif isinstance(action, DeletePod):
@@ -168,13 +168,13 @@ class Reconciler:
         elif isinstance(action, PostEvent):
             await self._post_event(action, now)
 
-    async def _put(self, job: JobId, keys: JobKeys, key: str, record: Record, leased: bool = False) -> None:
-        # Our own writes go into the model by job (no key parsing) and wake no one.
-        rest = key[len(keys.root) :]
+    async def _put(self, job: JobId, keys: JobKeys, kind: KeyKind, record: Record, leased: bool = False) -> None:
+        # Our own writes go into the model by job and wake no one.
+        rest = kind.format()
         if self.writer is None:
             self.model.job_put(job, rest, record, 0, wake=False)
             return
-        revision = await self.writer.put(key, record.to_json(), leased=leased)
+        revision = await self.writer.put(keys.key(kind), record.to_json(), leased=leased)
         self.model.job_put(job, rest, record, revision, wake=False)
 
     async def _write_plan(self, job: JobId, keys: JobKeys, action: WritePlan, now: float) -> None:
@@ -182,7 +182,7 @@ class Reconciler:
             revision = self.model.jobs[job].plan_revision + 1 if job in self.model.jobs else 1
         else:
             revision = await self.writer.compare_and_put(keys.plan, action.plan.to_json(), action.expected_revision)
-        self.model.job_put(job, keys.plan[len(keys.root) :], action.plan, revision, wake=False)
+        self.model.job_put(job, KeyKind.PLAN.format(), action.plan, revision, wake=False)
         plan = action.plan
         log.info("re-form " + plan.phase.value, namespace=job[0], job=job[1], generation=plan.generation,
                  cause=plan.cause.value, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)

@@ -18,7 +18,7 @@ import structlog
 from opentelemetry import trace
 
 from controller.cluster import ClusterActuator, ClusterSource
-from controller.etcd_mirror import ETCD_ERRORS, OwnWrites, mirror_etcd
+from controller.etcd_mirror import OwnWrites, mirror_etcd
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
 from controller.reconciler import Outcome, PlanConflict, Reconciler
@@ -127,7 +127,7 @@ async def _keep_presence_lease(
         try:
             try:
                 writer.lease = await keeper.start()
-            except ETCD_ERRORS as exc:
+            except etcd_layer.TRANSIENT_ERRORS as exc:
                 log.warning("cannot grant the controller lease; retrying", error=str(exc))
                 await asyncio.sleep(settings.runtime.etcd_retry.total_seconds())
                 continue
@@ -189,7 +189,7 @@ async def run_controller(
             tasks.create_task(source.run(model), name="cluster-source")
             tasks.create_task(
                 mirror_etcd(client, settings.etcd_prefix, model, metrics, own, settings.runtime.etcd_retry,
-                            settings.runtime.etcd_retry_max, lambda: None),
+                            settings.runtime.etcd_retry_max),
                 name="etcd-mirror",
             )
             for i in range(settings.runtime.workers):

@@ -16,17 +16,14 @@ import structlog
 from torch.distributed.elastic.rendezvous import RendezvousError
 
 from regroup import etcd
-from regroup.records import MemberRecord
+from regroup.records import JoinRecord, MemberRecord, RoundState, agent_id
 from rendezvous.connection import JobConnection
 from rendezvous.decisions import CloseRound, Me
-from rendezvous.records import JoinRecord, RoundState, agent_id
 from rendezvous.settings import RendezvousSettings
 from rendezvous.store import round_prefix
 from rendezvous.watch import JobWatch
 
 log = structlog.get_logger("rendezvous.agent")
-
-ETCD_ERRORS = (etcd.ClientError, ConnectionError, OSError, asyncio.TimeoutError)
 
 
 class DuplicateNode(RendezvousError):
@@ -105,7 +102,7 @@ class AgentKeys:
             written = self._leased[self._member_key]
             try:
                 await self.client.put(self._member_key, written, lease=self._keeper.lease)
-            except ETCD_ERRORS as exc:
+            except etcd.TRANSIENT_ERRORS as exc:
                 log.warning("member record update failed; retrying", node=self.me.node, error=str(exc))
                 written = b""
                 await asyncio.sleep(0.5)
@@ -227,7 +224,7 @@ class AgentKeys:
                     await self.client.put(key, value, lease=keeper.lease)
                 log.warning("lease re-granted after loss", node=self.me.node, lease=keeper.id)
                 return
-            except ETCD_ERRORS as exc:
+            except etcd.TRANSIENT_ERRORS as exc:
                 log.warning("lease re-grant failed; retrying", node=self.me.node, error=str(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

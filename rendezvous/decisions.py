@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from regroup.records import ExpectedMembership, MemberRecord, ReformRequest
-from rendezvous.records import JoinRecord, RoundState, agent_id
+from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
 
 CLOSE_GRACE_S = 5.0
 """How long the other agents give the new round's live rank 0 to close it before trying themselves."""

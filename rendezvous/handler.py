@@ -35,10 +35,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from regroup.etcd import LoopThread
+from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS, LoopThread
 from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
-from rendezvous.agent import DuplicateNode, ETCD_ERRORS, AgentKeys
+from rendezvous.agent import AgentKeys, DuplicateNode
 from rendezvous.connection import JobConnection
 from rendezvous.decisions import (
     round_abandoned,

@@ -1,9 +1,9 @@
-"""A live mirror of one job's etcd keys, kept by a watch that survives etcd restarts.
+"""A live mirror of one job's etcd keys, kept by a reflector that survives etcd restarts.
 
 The handler decides from this mirror (``JobView``), so torchrun's monitor loop can call
 ``num_nodes_waiting()`` every 0.1 s without a request to etcd. When the watch breaks
-(etcd restarted, network blip) it resumes from the last revision it saw; if that
-revision was compacted away it reloads the whole prefix.
+(etcd restarted or compacted, network blip) the reflector lists the prefix again and the
+mirror is rebuilt from that listing.
 """
 
 from __future__ import annotations
@@ -14,25 +14,30 @@ from typing import Any
 import structlog
 
 from regroup import etcd
-from regroup.keys import JobKeys
-from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, RecordError, ReformRequest
+from regroup.keys import JobKey, JobKeys, KeyKind, decode
+from regroup.records import (
+    ControllerPresence,
+    Exclusions,
+    ExpectedMembership,
+    JoinRecord,
+    MemberRecord,
+    RecordError,
+    ReformRequest,
+    RoundState,
+)
 from rendezvous.decisions import JobView
-from rendezvous.records import JoinRecord, RoundState
 
 log = structlog.get_logger("rendezvous.watch")
 
 PUBLISH_INTERVAL_S = 0.005
-
-WATCH_ERRORS = (etcd.ClientError, ConnectionError, OSError, asyncio.TimeoutError, RecordError)
 
 
 class JobWatch:
     """Mirror of ``/regroup/jobs/<ns>/<job>/`` (members, rdzv state, control keys, round stores)."""
 
     def __init__(self, client: Any, keys: JobKeys) -> None:
-        self._client = client
         self._keys = keys
-        self._rounds = keys.rdzv + "rounds/"
+        self._reflector = etcd.Reflector(client, keys.root, self._on_event, name=f"rdzv-watch-{keys.job}")
         self._revision = 0
         self._state: tuple[RoundState | None, int] = (None, 0)
         self._members: dict[str, MemberRecord] = {}
@@ -46,8 +51,6 @@ class JobWatch:
         self._task: asyncio.Task[None] | None = None
         self.view = JobView()
         """The latest view; replaced (never mutated) on every change, so any thread may read it."""
-        self.restarts = 0
-        """How many times the watch had to be re-established."""
         self.version = 0
         """Bumped on every change of the mirror."""
         self._publish_pending = False
@@ -55,9 +58,15 @@ class JobWatch:
         self._last_publish = 0.0
         self._visible_revision = 0
 
+    @property
+    def restarts(self) -> int:
+        """How many times the watch had to be re-established."""
+        return self._reflector.restarts
+
     async def start(self) -> None:
-        await self._load()
-        self._task = asyncio.create_task(self._run(), name=f"rdzv-watch-{self._keys.job}")
+        """List the job's keys (what etcd raises is raised), then follow them in a task."""
+        await self._reflector.list()
+        self._task = asyncio.create_task(self._reflector.run(), name=f"rdzv-watch-{self._keys.job}")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -88,44 +97,29 @@ class JobWatch:
         while self._visible_revision < revision and loop.time() < deadline:
             await self.changed(deadline - loop.time())
 
-    # -- loading and applying -------------------------------------------------------
+    # -- applying ----------------------------------------------------------------
 
-    async def _load(self) -> None:
-        response = await self._client.get_prefix(self._keys.root.encode())
-        self._state, self._members, self._joins, self._store_kv = (None, 0), {}, {}, {}
-        self._expected = self._reform = None
-        self._controller = False
-        self._excluded = {}
-        for kv in response:
-            self._put(kv.key.decode(), kv.value, kv.mod_revision)
-        self._revision = max(self._revision, response.header.revision)
-        self._publish_view()
-        self._notify()
-
-    async def _run(self) -> None:
-        backoff = 0.05
-        reload = False
-        while True:
-            try:
-                if reload:
-                    await self._load()
-                    reload = False
-                watch = await etcd.open_watch(self._client, self._keys.root.encode(), start_revision=self._revision + 1)
-                backoff = 0.05
-                try:
-                    async for event in watch:
-                        self._apply(event)
-                finally:
-                    await etcd.close_watch(watch)
-            except etcd.RevisionCompactedError:
-                reload = True
-            except WATCH_ERRORS as exc:
-                log.info(
-                    "rendezvous watch broken; resuming", job=self._keys.job, revision=self._revision, error=str(exc)
-                )
-            self.restarts += 1
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+    def _on_event(self, event: etcd.ReflectorEvent) -> None:
+        if isinstance(event, etcd.Listed):
+            self._state, self._members, self._joins, self._store_kv = (None, 0), {}, {}, {}
+            self._expected = self._reform = None
+            self._controller = False
+            self._excluded = {}
+            for item in event.items:
+                self._put(item.key, item.value, item.revision)
+            self._revision = max(self._revision, event.revision)
+            self._publish_view()
+            self._notify()
+            return
+        self._revision = max(self._revision, event.revision)
+        if isinstance(event, etcd.Put):
+            found = self._put(event.key, event.value, event.revision)
+        else:
+            found = self._delete(event.key)
+        # Round-store traffic wakes waiters, but the rendezvous view is unchanged.
+        if found is None or found.kind is not KeyKind.ROUND_STORE:
+            self._view_stale = True
+        self._schedule_publish()
 
     def store_value(self, key: str) -> bytes | None:
         """A key of a round store (``rdzv/rounds/...``), as mirrored."""
@@ -133,23 +127,6 @@ class JobWatch:
 
     def store_keys(self, prefix: str) -> list[str]:
         return [k for k in self._store_kv if k.startswith(prefix)]
-
-    def _apply(self, event: Any) -> None:
-        key = event.kv.key.decode()
-        self._revision = max(self._revision, event.kv.mod_revision)
-        if key.startswith(self._rounds):
-            # Round-store traffic: wake waiters, but the rendezvous view is unchanged.
-            if event.kind == etcd.EventKind.PUT:
-                self._store_kv[key] = event.kv.value
-            else:
-                self._store_kv.pop(key, None)
-        else:
-            if event.kind == etcd.EventKind.PUT:
-                self._put(key, event.kv.value, event.kv.mod_revision)
-            else:
-                self._delete(key)
-            self._view_stale = True
-        self._schedule_publish()
 
     def _schedule_publish(self) -> None:
         # Publish once per burst of events and at most every PUBLISH_INTERVAL_S: each
@@ -161,46 +138,53 @@ class JobWatch:
         delay = max(0.0, self._last_publish + PUBLISH_INTERVAL_S - loop.time())
         loop.call_later(delay, self._publish)
 
-    def _put(self, key: str, value: bytes, mod_revision: int) -> None:
-        k = self._keys
+    def _put(self, key: str, value: bytes, mod_revision: int) -> JobKey | None:
         try:
-            if key == k.rdzv + "state":
-                self._state = (RoundState.from_json(value), mod_revision)
-            elif key.startswith(k.rdzv + "joins/"):
-                join = JoinRecord.from_json(value)
-                self._joins[join.node] = join
-            elif key.startswith(self._rounds):
-                self._store_kv[key] = value
-            elif key.startswith(k.members):
-                self._members[key[len(k.members) :]] = MemberRecord.from_json(value)
-            elif key == k.expected:
-                self._expected = ExpectedMembership.from_json(value)
-            elif key == k.reform:
-                self._reform = ReformRequest.from_json(value)
-            elif key == k.controller:
-                ControllerPresence.from_json(value)
-                self._controller = True
-            elif key == k.excluded:
-                self._excluded = dict(Exclusions.from_json(value).nodes)
+            found = decode(key, value, self._keys.prefix)
         except RecordError as exc:
             log.warning("ignoring unreadable record", key=key, error=str(exc))
+            return None
+        if found is None:
+            return None
+        kind, record = found.kind, found.record
+        if kind is KeyKind.ROUND_STORE:
+            self._store_kv[key] = value
+        elif isinstance(record, RoundState):
+            self._state = (record, mod_revision)
+        elif isinstance(record, JoinRecord):
+            self._joins[record.node] = record
+        elif isinstance(record, MemberRecord):
+            self._members[found.params["node"]] = record
+        elif isinstance(record, ExpectedMembership):
+            self._expected = record
+        elif isinstance(record, ReformRequest):
+            self._reform = record
+        elif isinstance(record, ControllerPresence):
+            self._controller = True
+        elif isinstance(record, Exclusions):
+            self._excluded = dict(record.nodes)
+        return found
 
-    def _delete(self, key: str) -> None:
-        k = self._keys
-        if key == k.rdzv + "state":
+    def _delete(self, key: str) -> JobKey | None:
+        found = decode(key, None, self._keys.prefix)
+        kind = found.kind if found is not None else None
+        if kind is KeyKind.ROUND_STORE:
+            self._store_kv.pop(key, None)
+        elif kind is KeyKind.ROUND_STATE:
             self._state = (None, 0)
-        elif key.startswith(k.rdzv + "joins/"):
-            self._joins.pop(key[len(k.rdzv + "joins/") :], None)
-        elif key.startswith(k.members):
-            self._members.pop(key[len(k.members) :], None)
-        elif key == k.expected:
+        elif kind is KeyKind.JOIN:
+            self._joins.pop(found.params["node"], None)
+        elif kind is KeyKind.MEMBER:
+            self._members.pop(found.params["node"], None)
+        elif kind is KeyKind.EXPECTED:
             self._expected = None
-        elif key == k.reform:
+        elif kind is KeyKind.REFORM:
             self._reform = None
-        elif key == k.controller:
+        elif kind is KeyKind.CONTROLLER:
             self._controller = False
-        elif key == k.excluded:
+        elif kind is KeyKind.EXCLUDED:
             self._excluded = {}
+        return found
 
     def _publish(self) -> None:
         self._publish_pending = False

@@ -1,9 +1,9 @@
 """Rank 0's side of the job's etcd keys: checkpoint requests in; acks and progress out.
 
 ``pending_generation`` is the pure decision (which request to honour now); ``JobChannel``
-is the thin adapter: a watch of ``control/checkpoint`` kept in a background loop thread
-(re-watched from the last seen revision when etcd restarts), and writes of ``progress``
-and ``acks/<generation>/commit``. The training loop never blocks on etcd except to ack.
+is the thin adapter: a reflector of ``control/checkpoint`` kept in a background loop
+thread (listed again when etcd restarts), and writes of ``progress`` and
+``acks/<generation>/commit``. The training loop never blocks on etcd except to ack.
 """
 
 from __future__ import annotations
@@ -15,11 +15,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import grpc
 import structlog
 
-from regroup.etcd import ClientError, EtcdSettings, EventKind, LoopThread, close_watch, connect, open_watch
-from regroup.keys import JobKeys
+from regroup.etcd import (
+    TRANSIENT_ERRORS,
+    EtcdSettings,
+    Listed,
+    LoopThread,
+    Put,
+    Reflector,
+    ReflectorEvent,
+    connect,
+)
+from regroup.keys import JobKeys, KeyKind, decode
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, RecordError, ReformRequest
 from trainer.config import EtcdConfig
 
@@ -78,62 +86,38 @@ class JobChannel:
         self._progress_lock = asyncio.Lock()
         self._client = await connect(self._settings)
         for kv in await self._client.get_prefix(self.keys.acks.encode()):
-            head = kv.key.decode()[len(self.keys.acks) :].split("/", 1)[0]
-            if head.isdigit():
-                self.answered = max(self.answered, int(head))
+            found = decode(kv.key.decode(), None, self.keys.prefix)
+            if found is not None and found.kind is KeyKind.ACK and found.params["generation"].isdigit():
+                self.answered = max(self.answered, int(found.params["generation"]))
         reform = await self._client.get(self.keys.reform.encode())
         if reform is not None:
             try:
                 self.latest_reform = ReformRequest.from_json(reform.value)
             except RecordError as exc:
                 log.warning("ignoring malformed reform request", error=str(exc))
-        revision = await self._read_request()
+        requests = Reflector(self._client, self.keys.checkpoint, self._on_request, prefix=False, name="checkpoint-request")
+        await requests.list()
         # Ends only when cancelled; were it to crash, the loop thread logs and records it at once.
-        self._watch_task = self._loop.supervise(
-            asyncio.create_task(self._watch(revision), name="checkpoint-request-watch")
-        )
+        self._watch_task = self._loop.supervise(asyncio.create_task(requests.run(), name="checkpoint-request-watch"))
 
-    def _set_request(self, raw: bytes | None) -> None:
+    def _on_request(self, event: ReflectorEvent) -> None:
+        if isinstance(event, Listed):
+            put = event.items[0] if event.items else None  # the one key, or none
+        else:
+            put = event if isinstance(event, Put) else None
         request = None
-        if raw:
+        if put is not None and put.value:
             try:
-                request = CheckpointRequest.from_json(raw)
+                found = decode(put.key, put.value, self.keys.prefix)
             except RecordError as exc:
                 log.warning("ignoring malformed checkpoint request", error=str(exc))
                 return
+            if found is not None and isinstance(found.record, CheckpointRequest):
+                request = found.record
         with self._lock:
             self._request = request
         if request is not None:
             log.info("checkpoint request seen", generation=request.generation, hold=request.hold)
-
-    async def _read_request(self) -> int:
-        """Read the request key; the store revision to watch from (exclusive)."""
-        found = await self._client.get_prefix(self.keys.checkpoint.encode())
-        exact = [kv for kv in found if kv.key.decode() == self.keys.checkpoint]
-        self._set_request(exact[0].value if exact else None)
-        return int(found.header.revision)
-
-    async def _watch(self, revision: int) -> None:
-        key = self.keys.checkpoint.encode()
-        while True:
-            try:
-                watch = await open_watch(self._client, key, start_revision=revision + 1, prefix=False)
-                try:
-                    async for event in watch:
-                        revision = max(revision, int(event.kv.mod_revision))
-                        self._set_request(event.kv.value if event.kind == EventKind.PUT else None)
-                finally:
-                    await close_watch(watch)
-            except asyncio.CancelledError:
-                raise
-            except (ClientError, grpc.RpcError, OSError) as exc:
-                # etcd restarted or the stream broke: re-read, then re-watch past what we saw.
-                log.warning("checkpoint request watch broke; re-watching", error=str(exc))
-                await asyncio.sleep(_RETRY)
-                try:
-                    revision = max(revision, await self._read_request())
-                except (ClientError, grpc.RpcError, OSError):
-                    continue
 
     def request(self) -> CheckpointRequest | None:
         with self._lock:
@@ -148,7 +132,7 @@ class JobChannel:
                 self._loop.run(self._client.put(key, ack.to_json()), self.timeout)
                 self.answered = max(self.answered, ack.generation)
                 return True
-            except (TimeoutError, ClientError, grpc.RpcError, OSError) as exc:
+            except TRANSIENT_ERRORS as exc:
                 if time.time() + _RETRY >= deadline:
                     log.error("could not ack the checkpoint request", generation=ack.generation, error=str(exc))
                     self.answered = max(self.answered, ack.generation)
@@ -182,7 +166,7 @@ class JobChannel:
             self._progress_done = seq
             try:
                 await self._client.put(self.keys.progress.encode(), progress.to_json())
-            except (ClientError, grpc.RpcError, OSError) as exc:
+            except TRANSIENT_ERRORS as exc:
                 log.warning("progress write failed", error=str(exc))
 
     def close(self) -> None:
@@ -202,7 +186,7 @@ class JobChannel:
 
         try:
             self._loop.run(stop(), self.timeout)
-        except (TimeoutError, ClientError, grpc.RpcError, OSError) as exc:
+        except TRANSIENT_ERRORS as exc:
             log.warning("closing the job channel", error=f"{type(exc).__name__}: {exc}")
         finally:
             self._loop.close()

@@ -24,8 +24,7 @@ from demo.nodes import RunLayout
 from demo.recorder import JobRecorder
 from regroup.etcd import EtcdSettings
 from regroup.keys import JobKeys
-from regroup.records import CheckpointAck, Progress, RecordError, ReformPhase
-from rendezvous.records import JoinRecord, RoundState
+from regroup.records import CheckpointAck, JoinRecord, Progress, RecordError, ReformPhase, RoundState
 from trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")

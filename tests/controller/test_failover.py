@@ -22,9 +22,8 @@ import pytest
 from controller.settings import ControllerSettings, ReformSettings
 from controller.status import job_status, render
 from regroup.keys import JobKeys
-from regroup.records import CheckpointRequest, Exclusions, Progress, ReformPlan, ReformRequest
+from regroup.records import CheckpointRequest, Exclusions, Progress, ReformPlan, ReformRequest, RoundState
 from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound
-from rendezvous.records import RoundState
 from rendezvous.settings import parse_settings
 from kubeapi import objects
 

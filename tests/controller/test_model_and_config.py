@@ -196,10 +196,12 @@ def test_the_rendezvous_round_record_is_the_authority_on_the_current_round() -> 
     snap = m.snapshot((NS, JOB))
     assert snap.world_round == 5 and snap.world_seen == {"n1"}
     clock.now += 2
-    state6 = _json.dumps({"v": 1, "kind": "rdzv-state", "round": 6, "nodes": ["n1", "n2"], "min_nodes": 1, "max_nodes": 4})
+    state6 = _json.dumps({"v": 1, "kind": "rdzv-state", "round": 6, "nodes": ["n1", "n2"], "min_nodes": 1, "max_nodes": 4,
+                          "agents": ["n1@1700000000.25", "n2@1700000003.5"]})
     m.etcd_put(KEYS.rdzv + "state", state6.encode(), 6)
     snap = m.snapshot((NS, JOB))
     assert snap.world_round == 6 and snap.world_seen == {"n1", "n2"} and snap.round_times == (T0 + 2,)
+    assert snap.world_agents == {"n1": 1700000000.25, "n2": 1700000003.5}
     assert not snap.finished
     closed = _json.dumps({"v": 1, "kind": "rdzv-state", "round": 6, "nodes": ["n1", "n2"], "min_nodes": 1,
                           "max_nodes": 4, "closed": True})
@@ -281,11 +283,11 @@ def test_cached_job_views_always_equal_a_fresh_computation() -> None:
     model keeps between decisions equal what it would compute from scratch, and so do the
     decisions made on them."""
     import dataclasses
-    import json
     import random
 
     from controller.decide import decide
     from controller.snapshot import WritePlan
+    from regroup.records import RoundState
 
     rng = random.Random(23)
     settings = ControllerSettings()
@@ -323,7 +325,8 @@ def test_cached_job_views_always_equal_a_fresh_computation() -> None:
         elif roll < 0.9:
             formed += 1
             agents = [f"{n}@{rng.choice([0.0, 1.0])}" for n in rng.sample(names, 4)]
-            m.etcd_put(KEYS.root + "rdzv/state", json.dumps({"round": formed, "agents": agents}).encode(), step + 2)
+            state_record = RoundState(min_nodes=2, max_nodes=9, round=formed, agents=agents)
+            m.etcd_put(KEYS.root + "rdzv/state", state_record.to_json(), step + 2)
         else:
             m.node_changed(NodeInfo(node, ready=rng.choice([True, False])))
         state = m.jobs[(NS, JOB)]

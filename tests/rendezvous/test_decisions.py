@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from regroup.records import ExpectedMembership, MemberRecord, ReformRequest
+from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
 from rendezvous.decisions import (
     Bounds,
     Closed,
@@ -26,7 +26,6 @@ from rendezvous.decisions import (
     plan_close,
     plan_join,
 )
-from rendezvous.records import JoinRecord, RoundState, agent_id
 from rendezvous.settings import SettingsError, parse_settings
 
 BOUNDS = Bounds(min_nodes=2, max_nodes=4, last_call_s=1.0)

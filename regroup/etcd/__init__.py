@@ -1,0 +1,69 @@
+"""The one layer of regroup that imports aetcd; everything else talks to etcd through it.
+
+- ``settings``: ``EtcdSettings`` (endpoints, TLS and auth), parsed once at the edge.
+- ``client``: ``connect()``, an ``aetcd.Client`` on the first endpoint that answers (TLS
+  added here because aetcd itself only opens insecure channels); the errors callers see,
+  ``TRANSIENT_ERRORS`` (the ones worth trying again) among them; ``enable_auth``.
+- ``lease``: ``LeaseKeeper``, the owned task that refreshes a lease until cancelled
+  (aetcd has no background keep-alive).
+- ``watch``: ``open_watch`` and ``close_watch``, so a cancellation that lands while
+  aetcd creates a watch is never lost.
+- ``reflector``: ``Reflector``, the one list-and-watch loop: every watch of the project is
+  one of its watches.
+- ``loop_thread``: ``LoopThread``, an asyncio loop in a daemon thread for synchronous
+  callers (the torchrun rendezvous handler, the training loop); ``loop_threads`` lists the
+  open ones and what went wrong on them (the test suite fails a test that leaks either).
+"""
+
+from regroup.etcd.client import (
+    TRANSIENT_ERRORS,
+    Client,
+    ClientError,
+    ConnectionFailedError,
+    ConnectionTimeoutError,
+    EtcdUnavailable,
+    RevisionCompactedError,
+    UnauthenticatedError,
+    connect,
+    enable_auth,
+    make_client,
+)
+from regroup.etcd.lease import LeaseKeeper
+from regroup.etcd.loop_thread import LoopMark, LoopProblem, LoopThread, LoopThreads, loop_threads
+from regroup.etcd.reflector import Backoff, Deleted, Listed, Put, Reflector, ReflectorEvent, ReflectorState
+from regroup.etcd.settings import Endpoint, EtcdSettings, parse_endpoints
+from regroup.etcd.watch import EventKind, Watch, close_watch, open_watch
+
+__all__ = [
+    "TRANSIENT_ERRORS",
+    "Backoff",
+    "Client",
+    "ClientError",
+    "ConnectionFailedError",
+    "ConnectionTimeoutError",
+    "Deleted",
+    "Endpoint",
+    "EtcdSettings",
+    "EtcdUnavailable",
+    "EventKind",
+    "LeaseKeeper",
+    "Listed",
+    "LoopMark",
+    "LoopProblem",
+    "LoopThread",
+    "LoopThreads",
+    "Put",
+    "Reflector",
+    "ReflectorEvent",
+    "ReflectorState",
+    "RevisionCompactedError",
+    "UnauthenticatedError",
+    "Watch",
+    "close_watch",
+    "connect",
+    "enable_auth",
+    "loop_threads",
+    "make_client",
+    "parse_endpoints",
+    "open_watch",
+]
