@@ -1,13 +1,13 @@
 """Records a job as etcd sees it: progress, membership, the controller's plan and status.
 
-One watch on the job's key prefix (re-established from the last seen revision if it
-breaks) keeps a live ``JobView`` for the terminal view and appends every progress
-record, membership change and re-form plan to JSON-lines files for the report.
+A reflector of the job's key prefix keeps a live ``JobView`` for the terminal view and
+appends every progress record, membership change and re-form plan to JSON-lines files
+for the report. When etcd restarts, the reflector lists the keys again; only what changed
+since is recorded, as a watch would have delivered it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,8 +16,8 @@ from typing import Any
 
 import structlog
 
-from regroup.etcd import EtcdSettings, EventKind, close_watch, connect, open_watch
-from regroup.keys import JobKeys
+from regroup.etcd import Deleted, EtcdSettings, Listed, Put, Reflector, ReflectorEvent, connect
+from regroup.keys import JobKey, JobKeys, KeyKind, decode
 from regroup.records import (
     CheckpointAck,
     CheckpointRequest,
@@ -63,63 +63,62 @@ class JobRecorder:
         self._members_file = members_file
         self._plans_file = plans_file
         self._last_plan: tuple[int, str] | None = None
+        self._revisions: dict[str, int] = {}
+        """Key -> mod_revision of every key applied so far (a listing applies only what differs)."""
 
     async def run(self) -> None:
         client = await connect(self._settings)
         try:
-            snapshot = await client.get_prefix(self._keys.root.encode())
-            for kv in snapshot:
-                self._apply(kv.key.decode(), kv.value, deleted=False)
-            revision = snapshot.header.revision
-            while True:
-                try:
-                    watch = await open_watch(client, self._keys.root.encode(), start_revision=revision + 1)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - etcd down (restarting): try again
-                    log.warning("cannot watch, retrying", revision=revision, error=repr(exc))
-                    await asyncio.sleep(0.5)
-                    continue
-                try:
-                    async for event in watch:
-                        revision = max(revision, event.kv.mod_revision)
-                        self._apply(event.kv.key.decode(), event.kv.value, deleted=event.kind == EventKind.DELETE)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a broken watch is re-established
-                    log.warning("watch broke, re-watching", revision=revision, error=repr(exc))
-                    await asyncio.sleep(0.5)
-                finally:
-                    await asyncio.shield(close_watch(watch))
+            reflector = Reflector(client, self._keys.root, self._on_event, name=f"recorder-{self._keys.job}")
+            await reflector.list()
+            await reflector.run()
         finally:
             await client.close()
 
-    def _apply(self, key: str, value: bytes, deleted: bool) -> None:
-        parsed = JobKeys.parse(key, self._keys.prefix)
-        if parsed is None:
+    def _on_event(self, event: ReflectorEvent) -> None:
+        if not isinstance(event, Listed):
+            self._changed(event)
             return
-        rest = parsed[1]
-        now = time.time()
+        # The first listing, or one after etcd restarted: apply what is new to this recorder.
+        listed = {item.key for item in event.items}
+        for key in [k for k in self._revisions if k not in listed]:
+            self._changed(Deleted(key, event.revision))
+        for item in event.items:
+            if self._revisions.get(item.key) != item.revision:
+                self._changed(item)
+
+    def _changed(self, event: Put | Deleted) -> None:
+        if isinstance(event, Put):
+            self._revisions[event.key] = event.revision
+        else:
+            self._revisions.pop(event.key, None)
         try:
-            if rest == "progress" and not deleted:
-                self._on_progress(Progress.from_json(value), now)
-            elif rest.startswith("members/"):
-                node = rest.removeprefix("members/")
-                if deleted:
-                    self.view.members.pop(node, None)
-                else:
-                    self.view.members[node] = MemberRecord.from_json(value)
-                self._on_members(now)
-            elif rest == "control/plan" and not deleted:
-                self._on_plan(ReformPlan.from_json(value))
-            elif rest == "control/status" and not deleted:
-                self.view.status = JobStatus.from_json(value)
-            elif rest == "control/checkpoint" and not deleted:
-                self.view.checkpoint = CheckpointRequest.from_json(value)
-            elif rest.startswith("acks/") and not deleted:
-                self.view.acked_generations.add(CheckpointAck.from_json(value).generation)
+            found = decode(event.key, event.value if isinstance(event, Put) else None, self._keys.prefix)
         except RecordError as exc:
-            log.warning("unreadable record", key=key, error=str(exc))
+            log.warning("unreadable record", key=event.key, error=str(exc))
+            return
+        if found is not None:
+            self._apply(found)
+
+    def _apply(self, found: JobKey) -> None:
+        """One key of the job changed (``found.record`` is None once deleted)."""
+        now, record = time.time(), found.record
+        if found.kind is KeyKind.MEMBER:
+            if isinstance(record, MemberRecord):
+                self.view.members[found.params["node"]] = record
+            else:
+                self.view.members.pop(found.params["node"], None)
+            self._on_members(now)
+        elif isinstance(record, Progress):
+            self._on_progress(record, now)
+        elif isinstance(record, ReformPlan):
+            self._on_plan(record)
+        elif isinstance(record, JobStatus):
+            self.view.status = record
+        elif isinstance(record, CheckpointRequest):
+            self.view.checkpoint = record
+        elif isinstance(record, CheckpointAck):
+            self.view.acked_generations.add(record.generation)
 
     def _on_progress(self, progress: Progress, now: float) -> None:
         self.view.progress = progress

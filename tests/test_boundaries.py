@@ -45,3 +45,9 @@ def test_every_etcd_watch_is_opened_through_the_etcd_layer() -> None:
     offenders = _lines_calling((".watch_prefix(", "client.watch("), {ETCD_LAYER / "watch.py"})
     assert not offenders, "\n".join(offenders)
 
+
+def test_only_the_reflector_opens_watches() -> None:
+    """One list-and-watch loop (``regroup.etcd.Reflector``) handles relists, back-off and
+    cancellation for everyone: no module keeps a watch loop of its own."""
+    offenders = _lines_calling(("open_watch(",), {ETCD_LAYER / "watch.py", ETCD_LAYER / "reflector.py"})
+    assert not offenders, "\n".join(offenders)

@@ -23,8 +23,8 @@ from demo.processes import process_tree
 from demo.nodes import RunLayout
 from demo.recorder import JobRecorder
 from regroup.etcd import EtcdSettings
-from regroup.keys import JobKeys
-from regroup.records import CheckpointAck, JoinRecord, Progress, RecordError, ReformPhase, RoundState
+from regroup.keys import JobKey, JobKeys, KeyKind
+from regroup.records import CheckpointAck, JoinRecord, Progress, ReformPhase, RoundState
 from trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
@@ -99,30 +99,20 @@ class JobWatcher(JobRecorder):
         """Nodes with a join record in etcd now."""
         self.view.progress_listeners.append(self.progress.append)
 
-    def _apply(self, key: str, value: bytes, deleted: bool) -> None:
-        super()._apply(key, value, deleted)
-        parsed = JobKeys.parse(key, self._keys.prefix)
-        if parsed is not None and parsed[1].startswith("rdzv/joins/"):
-            node = parsed[1].removeprefix("rdzv/joins/")
-            (self.live_joins.discard if deleted else self.live_joins.add)(node)
-        if parsed is not None and not deleted:
-            try:
-                self._note(parsed[1], value)
-            except RecordError as exc:
-                log.warning("unreadable record", key=key, error=str(exc))
-        self.changes.notify()
-
-    def _note(self, rest: str, value: bytes) -> None:
-        now = time.time()
-        if rest == "rdzv/state":
-            self.round_state = RoundState.from_json(value)
-        elif rest.startswith("rdzv/joins/"):
-            join = JoinRecord.from_json(value)
+    def _apply(self, found: JobKey) -> None:
+        super()._apply(found)
+        record, now = found.record, time.time()
+        if found.kind is KeyKind.JOIN:
+            (self.live_joins.add if record is not None else self.live_joins.discard)(found.params["node"])
+        if isinstance(record, RoundState):
+            self.round_state = record
+        elif isinstance(record, JoinRecord):
             state = self.round_state
-            survivor = state is not None and join.round > state.round and join.node in state.nodes
-            self.joins.append(SeenJoin(now, join.node, join.round, survivor))
-        elif rest.startswith("acks/"):
-            self.acks.append(SeenAck(now, CheckpointAck.from_json(value)))
+            survivor = state is not None and record.round > state.round and record.node in state.nodes
+            self.joins.append(SeenJoin(now, record.node, record.round, survivor))
+        elif isinstance(record, CheckpointAck):
+            self.acks.append(SeenAck(now, record))
+        self.changes.notify()
 
     @property
     def world(self) -> list[str]:

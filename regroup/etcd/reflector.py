@@ -121,7 +121,7 @@ class Reflector:
         self.revision = 0
         """The revision everything handed over so far is current at."""
         self.restarts = 0
-        """How many times the watch was lost."""
+        """How many times the watch was lost or a listing failed."""
         self._synced = asyncio.Event()
 
     async def synced(self) -> None:
