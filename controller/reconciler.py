@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -93,7 +94,7 @@ class Reconciler:
         self.metrics = metrics
         self.tracer_provider = tracer_provider
         self.clock = clock
-        self._events: dict[tuple[str, str, str, str, str], float] = {}
+        self._events: OrderedDict[tuple[str, str, str, str, str], float] = OrderedDict()
         self._reasons: dict[JobId, str] = {}
         self._rounds: dict[JobId, int] = {}
         self._cordon_lock = asyncio.Lock()
@@ -211,7 +212,7 @@ class Reconciler:
     async def _cordon(self, action: Cordon, now: float) -> None:
         # Jobs decide concurrently: the budget is re-checked here, under one lock.
         async with self._cordon_lock:
-            budget = self.settings.cordon.budget(len(self.model.node_pods))
+            budget = self.settings.cordon.budget(self.model.fleet.hosting_nodes)
             if action.node in self.model.cordoned:
                 return
             if len(self.model.cordoned) >= budget:
@@ -225,14 +226,21 @@ class Reconciler:
     async def _post_event(self, action: PostEvent, now: float) -> None:
         ref = action.ref
         key = (ref.kind, ref.namespace, ref.name, action.reason, action.message)
+        memory = EVENT_MEMORY.total_seconds()
         last = self._events.get(key)
-        if last is not None and now - last < EVENT_MEMORY.total_seconds():
+        if last is not None and now - last < memory:
             return
-        if len(self._events) > 10_000:
-            horizon = now - EVENT_MEMORY.total_seconds()
-            self._events = {k: t for k, t in self._events.items() if t >= horizon}
+        # Oldest first (a re-posted key moves to the end): forgetting expired Events pops
+        # from the front, never rescans the ones still remembered.
+        events = self._events
+        while events:
+            oldest = next(iter(events))
+            if now - events[oldest] < memory:
+                break
+            del events[oldest]
         await self.actuator.post_event(ref, action.type_, action.reason, action.message)
-        self._events[key] = now
+        events[key] = now
+        events.move_to_end(key)
 
     # --- metrics ---------------------------------------------------------------------
 
@@ -254,7 +262,7 @@ class Reconciler:
             for child, value in zip(children, values, strict=True):
                 child.set(int(value))
         state = self.model.jobs.get(job)
-        rounds = state.rounds if state is not None else 0
+        rounds = state.round.advanced if state is not None else 0
         seen = self._rounds.get(job, 0)
         if rounds > seen:
             self.metrics.rounds.labels(*job).inc(rounds - seen)

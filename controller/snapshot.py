@@ -1,12 +1,14 @@
 """What ``decide`` sees of one job at one moment, and what it asks for.
 
-A ``JobSnapshot`` is a frozen copy assembled by the model; a ``Decision`` is a list of
-``Action`` values with the reason behind them. Neither holds any I/O handle.
+A ``JobSnapshot`` is a read-only view the model builds (``controller.snapshot_builder``);
+a ``Decision`` is a list of ``Action`` values with the reason behind them. Neither holds
+any I/O handle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
@@ -34,70 +36,75 @@ class FleetView:
 
     hosting_nodes: int = 0
     """Nodes running at least one regroup pod."""
-    cordoned: frozenset[str] = frozenset()
+    cordoned: AbstractSet[str] = frozenset()
     """Nodes carrying the restart-storm taint."""
 
 
 @dataclass(frozen=True)
 class JobSnapshot:
-    """One job as observed from Kubernetes and etcd."""
+    """One job as observed from Kubernetes and etcd, and what the model's indexes say of it.
+
+    Built only by ``controller.snapshot_builder.build_snapshot``, from the model: the
+    derived fields (``pods_by_name`` to ``disrupted``) are always there and always come
+    from the same indexes. Collections are the model's own, not copies: a snapshot is
+    valid until the model next changes, and nothing writes to it.
+    """
 
     namespace: str
     job: str
-    pods: tuple[PodInfo, ...] = ()
+    pods: tuple[PodInfo, ...]
     """Every pod carrying the job label (workers and a labelled rendezvous pod)."""
-    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
-    """Nodes the job's pods and members are on, as far as they still exist."""
-    nodes_synced: bool = True
+    nodes: Mapping[str, NodeInfo]
+    """Known nodes (the fleet's): a node absent from it is deleted once ``nodes_synced``."""
+    nodes_synced: bool
     """The node list is complete: a node absent from ``nodes`` is deleted."""
-    pods_synced: bool = True
+    pods_synced: bool
     """The pod list is complete: a member whose pod is absent lost its pod."""
-    members: Mapping[str, MemberRecord] = field(default_factory=dict)
+    members: Mapping[str, MemberRecord]
     """Live members by node."""
-    world_round: int = 0
-    """The job's current round: the lowest round among live members (joiners wait for a later one)."""
-    finished: bool = False
+    world_round: int
+    """The job's current round (``controller.rounds``); 0 before any member registered."""
+    finished: bool
     """The rendezvous is closed: the job ended (its agents shut down after training)."""
-    world_seen: frozenset[str] = frozenset()
+    world_seen: AbstractSet[str]
     """Nodes seen as members of ``world_round``, including ones whose member has vanished since."""
-    world_agents: Mapping[str, float] = field(default_factory=dict)
+    world_agents: Mapping[str, float]
     """Node -> ``joined_at`` of the agent the rendezvous' round record names there (empty when
     the rendezvous has written none): a member with another ``joined_at`` is a restarted agent."""
-    first_seen: Mapping[str, float] = field(default_factory=dict)
+    first_seen: Mapping[str, float]
     """``signals.signal_key(node, what)`` -> unix time the model first saw it."""
-    restarts: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    restarts: Mapping[str, Sequence[float]]
     """Per node, unix times (oldest first) of the rank/container restarts observed there for this job."""
-    round_times: tuple[float, ...] = ()
+    round_times: Sequence[float]
     """Unix times the job's round advanced (rendezvous rounds)."""
-    plan: ReformPlan | None = None
-    plan_revision: int = 0
+    plan: ReformPlan | None
+    plan_revision: int
     """``mod_revision`` of ``control/plan`` (0: absent): the fencing token for writing it."""
-    checkpoint: CheckpointRequest | None = None
-    expected: ExpectedMembership | None = None
-    reform: ReformRequest | None = None
-    acks: Mapping[int, CheckpointAck] = field(default_factory=dict)
-    progress: Progress | None = None
-    progress_revision: int = 0
-    presence: ControllerPresence | None = None
-    status: JobStatus | None = None
-    exclusions: Exclusions | None = None
+    checkpoint: CheckpointRequest | None
+    expected: ExpectedMembership | None
+    reform: ReformRequest | None
+    acks: Mapping[int, CheckpointAck]
+    progress: Progress | None
+    progress_revision: int
+    presence: ControllerPresence | None
+    status: JobStatus | None
+    exclusions: Exclusions | None
     """``control/excluded``: the nodes agents must not bring back into the job."""
-    fleet: FleetView = field(default_factory=FleetView)
-    identity: str = "regroup-controller"
+    fleet: FleetView
+    identity: str
     """This controller's identity (for its presence record)."""
-    pods_by_name: Mapping[str, PodInfo] | None = None
-    """``pods`` by name (the model passes its index); None: ``decide`` builds it."""
-    verdicts: Mapping[str, NodeVerdict] | None = None
-    """Node verdicts under the built-in signal table, cached by the model; None: computed."""
-    suspects: frozenset[str] | None = None
-    """Nodes that may be unhealthy for this job (an index the model keeps); every other
-    node of the round is known healthy. None: ``decide`` examines every node."""
-    resolved: ResolvedConfig | None = None
-    """The job's config resolved from ``pods`` (the model caches it until the pods change);
-    None: ``decide`` resolves it itself."""
-    disrupted: Mapping[str, PodInfo] | None = None
-    """The job's pods carrying ``DisruptionTarget=True``, by name (an index the model
-    keeps); None: ``decide`` finds them in ``pods``."""
+    # --- derived: kept by the model's indexes ------------------------------------------
+    pods_by_name: Mapping[str, PodInfo]
+    """``pods`` by name."""
+    resolved: ResolvedConfig
+    """The job's config resolved from ``pods``."""
+    verdicts: Mapping[str, NodeVerdict]
+    """Node verdicts under the built-in signal table (``controller.fleet``)."""
+    suspects: AbstractSet[str]
+    """Nodes that may be unhealthy for this job (``controller.suspects``); every other
+    node of the round is known healthy."""
+    disrupted: Mapping[str, PodInfo]
+    """The job's pods carrying ``DisruptionTarget=True``, by name."""
 
 
 # --- actions -------------------------------------------------------------------------

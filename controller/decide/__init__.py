@@ -13,6 +13,7 @@ job's verdict, ``alerts`` the warnings that change nothing else.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from controller.cluster import ObjectRef
 from controller.decide.alerts import flapping, rendezvous_on_gpu
@@ -24,7 +25,7 @@ from controller.decide.situation import Situation
 from controller.decide.start import start
 from controller.decide.writes import finish
 from controller.disruption import pod_notices
-from controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig, resolve_job_config
+from controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig
 from controller.settings import ControllerSettings
 from controller.snapshot import Alerts, Decision, JobSnapshot, PostEvent, WritePresence
 from regroup.records import ControllerPresence, ReformOutcome, ReformPhase
@@ -35,7 +36,7 @@ __all__ = ["Decision", "decide", "summarize"]
 def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision:
     """Everything the controller wants done for job ``s`` at ``now``, with the reason."""
     out = Out()
-    resolved = s.resolved if s.resolved is not None else resolve_job_config(s.pods, settings.jobs)
+    resolved = s.resolved
     for problem in resolved.problems:
         ref = ObjectRef("Pod", problem.pod.name, problem.pod.namespace, problem.pod.uid)
         out.actions.append(PostEvent(ref, "Warning", problem.kind, problem.message))
@@ -53,7 +54,7 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
 
 
 def _unconfigured(
-    s: JobSnapshot, now: float, problems: Sequence[ConfigProblem], world: frozenset[str], out: Out, flaps: bool, gpu: bool
+    s: JobSnapshot, now: float, problems: Sequence[ConfigProblem], world: AbstractSet[str], out: Out, flaps: bool, gpu: bool
 ) -> Decision:
     """No worker pods, or bad annotations: the job is left alone and says why."""
     bad = any(p.kind == "BadConfig" for p in problems)
@@ -63,7 +64,7 @@ def _unconfigured(
 
 
 def _finished(
-    s: JobSnapshot, now: float, world: frozenset[str], config: JobConfig, out: Out, flaps: bool, gpu: bool
+    s: JobSnapshot, now: float, world: AbstractSet[str], config: JobConfig, out: Out, flaps: bool, gpu: bool
 ) -> Decision:
     """The agents closed the rendezvous: training is over. Nothing to re-form, ever."""
     if s.plan is not None and s.plan.phase != ReformPhase.DONE:
@@ -79,14 +80,13 @@ def _running(
     settings: ControllerSettings,
     resolved: ResolvedConfig,
     config: JobConfig,
-    world: frozenset[str],
+    world: AbstractSet[str],
     out: Out,
     flaps: bool,
     gpu: bool,
 ) -> Decision:
     """A configured, running job: advance the re-form in flight, or start one if needed."""
-    disrupted = s.disrupted.values() if s.disrupted is not None else [p for p in s.pods if p.disruption is not None]
-    health = assess(s, world, config, now, pod_notices(disrupted, resolved.workers_by_node, s.first_seen, now))
+    health = assess(s, world, config, now, pod_notices(s.disrupted.values(), resolved.workers_by_node, s.first_seen, now))
     restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
     keep_exclusions(s, config, health, now, out)
     joiners = waiting_joiners(s, world, health, now, out)

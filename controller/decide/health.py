@@ -7,6 +7,7 @@ storms and ``control/excluded`` for the leaving nodes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from controller.cluster import ObjectRef, PodInfo
@@ -36,7 +37,7 @@ class Health:
     when the pod is already terminating (it keeps the node excluded)."""
 
 
-def world_of(s: JobSnapshot) -> frozenset[str]:
+def world_of(s: JobSnapshot) -> AbstractSet[str]:
     """Nodes of the job's current round, including members that vanished from it."""
     world = s.world_seen  # the model adds every member of world_round to it
     plan = s.plan
@@ -51,11 +52,11 @@ def world_of(s: JobSnapshot) -> frozenset[str]:
 
 
 def assess(
-    s: JobSnapshot, world: frozenset[str], config: JobConfig, now: float, disruptions: dict[str, PodNotice]
+    s: JobSnapshot, world: AbstractSet[str], config: JobConfig, now: float, disruptions: dict[str, PodNotice]
 ) -> Health:
     """Classify the round's nodes and the members outside it; ``disruptions`` are the pods' notices."""
     health = Health(pods=disruptions)
-    pods = s.pods_by_name if s.pods_by_name is not None else {p.name: p for p in s.pods}
+    pods = s.pods_by_name
     members, nodes, world_round = s.members, s.nodes, s.world_round
     cached = s.verdicts if not config.reclaim_taints else None
     for node in _candidates(s, world, disruptions):
@@ -83,15 +84,14 @@ def assess(
     return health
 
 
-def _candidates(s: JobSnapshot, world: frozenset[str], disruptions: Mapping[str, PodNotice]) -> Iterable[str]:
-    """The nodes worth examining: the model's suspects when it has them, else all of them."""
-    members = s.members
-    if s.suspects is None:
-        return world | members.keys()
+def _candidates(s: JobSnapshot, world: AbstractSet[str], disruptions: Mapping[str, PodNotice]) -> Iterable[str]:
+    """The nodes worth examining: the model's suspects of the round and members, and the
+    nodes whose pod has a disruption notice."""
+    members, suspects = s.members, s.suspects
     # Suspects are few: filter them rather than building the round's whole node set.
-    candidates: Iterable[str] = [n for n in s.suspects if n in world or n in members]
+    candidates: Iterable[str] = [n for n in suspects if n in world or n in members]
     if disruptions:
-        extra = [n for n in disruptions if n not in s.suspects and (n in world or n in members)]
+        extra = [n for n in disruptions if n not in suspects and (n in world or n in members)]
         candidates = [*candidates, *extra]
     return candidates
 
@@ -100,7 +100,7 @@ def _member_loss(
     s: JobSnapshot,
     node: str,
     member: MemberRecord | None,
-    world: frozenset[str],
+    world: AbstractSet[str],
     pods: Mapping[str, PodInfo],
     now: float,
 ) -> tuple[str | None, float]:
@@ -147,7 +147,7 @@ def _node_notice(
     return None, now
 
 
-def waiting_joiners(s: JobSnapshot, world: frozenset[str], health: Health, now: float, out: Out) -> list[str]:
+def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now: float, out: Out) -> list[str]:
     """Healthy members waiting outside the current round, oldest first. A member on
     probation (its own workers just failed, or are still starting up) is not one yet."""
     world_round = s.world_round

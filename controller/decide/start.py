@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 from controller.cluster import ObjectRef, PodInfo
 from controller.decide.health import joiner_seen
@@ -17,7 +18,7 @@ from controller.trace_ids import new_trace_id
 from regroup.records import ReformCause, ReformPhase, ReformPlan
 
 
-def start(sit: Situation, world: frozenset[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
+def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
     """Begin a re-form if the job needs one. Returns (reason, stalled)."""
     config, health = sit.config, sit.health
     lost = {n: r for n, r in health.lost.items() if n in world}
@@ -40,7 +41,7 @@ def start(sit: Situation, world: frozenset[str], joiners: list[str], newest: Pod
 
 
 def _replace_lost(
-    sit: Situation, world: frozenset[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None
+    sit: Situation, world: AbstractSet[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None
 ) -> tuple[str, bool]:
     """Unplanned: the lost nodes' ranks are gone already, so re-form at once without them."""
     storm_only = all(n in sit.health.storm for n in lost)
@@ -55,7 +56,7 @@ def _replace_lost(
 
 def _shrink_for_reclaim(
     sit: Situation,
-    world: frozenset[str],
+    world: AbstractSet[str],
     target: list[str],
     leaving: Mapping[str, ReclaimNotice],
     newest: PodInfo | None,
@@ -76,7 +77,7 @@ def _shrink_for_reclaim(
     return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
 
 
-def _shrink_to_max(sit: Situation, world: frozenset[str]) -> tuple[str, bool]:
+def _shrink_to_max(sit: Situation, world: AbstractSet[str]) -> tuple[str, bool]:
     """More nodes than the job's max (the max was lowered): keep the first ``max`` by name."""
     config, now = sit.config, sit.now
     target = sorted(world)[: config.max_nodes]
@@ -86,7 +87,7 @@ def _shrink_to_max(sit: Situation, world: frozenset[str]) -> tuple[str, bool]:
     return f"shrink to max: {why}", False
 
 
-def _grow(sit: Situation, world: frozenset[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
+def _grow(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
     """Gather joiners for the join window (or until max), then re-form with them."""
     s, now, config = sit.s, sit.now, sit.config
     live = len(world)
@@ -133,7 +134,7 @@ def _begin(
     cause: ReformCause,
     planned: bool,
     reason: str,
-    world: frozenset[str],
+    world: AbstractSet[str],
     target: list[str],
     detected: float,
     deadline: float = 0.0,

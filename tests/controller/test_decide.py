@@ -7,15 +7,12 @@ from datetime import timedelta
 
 import pytest
 
-from controller.cluster import NodeInfo
-from controller.decide import decide
+from controller.cluster import NodeInfo, Taint
 from controller.settings import ControllerSettings
-from controller.signals import RECLAIM_SIGNALS, member_seen_key, signal_key
+from controller.signals import RECLAIM_SIGNALS
 from controller.snapshot import (
     Cordon,
     DeletePod,
-    FleetView,
-    JobSnapshot,
     PostEvent,
     WriteCheckpointRequest,
     WriteExpected,
@@ -25,15 +22,15 @@ from controller.snapshot import (
 )
 from regroup.records import Progress
 
-from .builders import T0, acked, annotations, applied, job, member, of, pod, with_taint
+from .builders import T0, Scene, acked, annotations, applied, decide, job, member, of, pod, with_taint
+from .builders import step as reconcile
 
 S = ControllerSettings()
 
 
 def step(s, now):
     """One reconcile: decide, then let the writes land."""
-    d = decide(s, now, S)
-    return applied(s, d.actions), d
+    return reconcile(s, now, S)
 
 
 PLANNED_TAINTS = [(sig.key, sig.value or "") for sig in RECLAIM_SIGNALS if sig.path == "planned"]
@@ -54,8 +51,7 @@ def test_each_reclaim_taint_starts_a_planned_shrink_checkpoint_first(key: str, v
 
 
 def test_node_unschedulable_is_a_reclaim_and_custom_taints_count() -> None:
-    s = job()
-    s = dataclasses.replace(s, nodes={**s.nodes, "n1": NodeInfo("n1", unschedulable=True)})
+    s = job().with_node(NodeInfo("n1", unschedulable=True))
     assert of(decide(s, T0, S).actions, WritePlan)[0].plan.nodes_after == ["n2", "n3"]
     notes = annotations(reclaim_taints="example.com/going-away, other.io/x")
     custom = with_taint(job(notes=notes), "n3", "example.com/going-away")
@@ -77,7 +73,7 @@ def test_ack_gates_the_reform_and_then_expected_excludes_the_leaving_node() -> N
     # Without an ack, nothing but waiting (and a requeue before the deadline).
     s2, d2 = step(s, T0 + 5)
     assert not of(d2.actions, WriteReform) and d2.requeue_after is not None
-    s3, d3 = step(acked(s2, g, 120), T0 + 6)
+    s3, d3 = step(acked(s2.at(T0 + 6), g, 120), T0 + 6)
     [expected] = of(d3.actions, WriteExpected)
     [reform] = of(d3.actions, WriteReform)
     assert expected.expected.nodes == ["n1", "n3"] and expected.expected.generation == g == reform.request.generation
@@ -116,8 +112,7 @@ def test_cluster_autoscaler_value_is_the_notice_start() -> None:
 def test_leaving_node_vanishing_before_the_ack_falls_back_to_unplanned() -> None:
     s = with_taint(job(), "n2", "karpenter.sh/disrupted")
     s, _ = step(s, T0)
-    members = {k: v for k, v in s.members.items() if k != "n2"}
-    s2, d = step(dataclasses.replace(s, members=members), T0 + 2)
+    s2, d = step(s.without_member("n2"), T0 + 2)
     assert of(d.actions, WriteReform) and "n2" in s2.plan.fallback and not s2.plan.planned
 
 
@@ -125,15 +120,15 @@ def test_leaving_node_vanishing_before_the_ack_falls_back_to_unplanned() -> None
 def test_unplanned_loss_reforms_immediately(loss: str) -> None:
     s = job(("n1", "n2", "n3", "n4"))
     if loss == "pod-deleted":
-        s = dataclasses.replace(s, pods=tuple(p for p in s.pods if p.node != "n4"))
+        s = s.without_pod("llama-n4")
     elif loss == "pod-evicted":
-        s = dataclasses.replace(s, pods=tuple(dataclasses.replace(p, deleting=p.node == "n4") for p in s.pods))
+        s = s.changed_pod("n4", deleting=True)
     elif loss == "node-notready":
-        s = dataclasses.replace(s, nodes={**s.nodes, "n4": NodeInfo("n4", ready=False)})
+        s = s.with_node(NodeInfo("n4", ready=False))
     elif loss == "node-deleted":
-        s = dataclasses.replace(s, nodes={k: v for k, v in s.nodes.items() if k != "n4"})
+        s = s.without_node("n4")
     else:
-        s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n4"})
+        s = s.without_member("n4")
     d = decide(s, T0, S)
     [plan] = of(d.actions, WritePlan)
     assert plan.plan.cause == "node-lost" and not plan.plan.planned
@@ -144,13 +139,8 @@ def test_unplanned_loss_reforms_immediately(loss: str) -> None:
 def test_grow_gathers_joiners_for_the_join_window_then_checkpoints() -> None:
     s = job(("n1", "n2"), notes=annotations(2, 4, join_window="10s"))
     for i, node in enumerate(("n3", "n4")):
-        s = dataclasses.replace(
-            s,
-            members={**s.members, node: member(node, 2)},
-            nodes={**s.nodes, node: NodeInfo(node)},
-            pods=s.pods + (pod(node, annotations(2, 4, join_window="10s")),),
-            first_seen={**s.first_seen, member_seen_key(node, 0.0, 2): T0 + i * 3},
-        )
+        s = s.with_node(NodeInfo(node)).with_pod(pod(node, annotations(2, 4, join_window="10s")))
+        s = s.with_member(member(node, 2), at=T0 + i * 3)
         if i == 0:
             d = decide(s, T0 + 1, S)
             assert not of(d.actions, WritePlan) and d.requeue_after == timedelta(seconds=9)
@@ -164,14 +154,8 @@ def test_grow_gathers_joiners_for_the_join_window_then_checkpoints() -> None:
 def test_grow_after_window_with_room_left_and_clamped_to_max() -> None:
     notes = annotations(1, 3, join_window="5s")
     s = job(("n1",), notes=notes)
-    joiners = ("n2", "n3", "n4")
-    s = dataclasses.replace(
-        s,
-        members={**s.members, **{n: member(n, 2) for n in joiners}},
-        nodes={**s.nodes, **{n: NodeInfo(n) for n in joiners}},
-        pods=s.pods + tuple(pod(n, notes) for n in joiners),
-        first_seen={**s.first_seen, **{member_seen_key(n, 0.0, 2): T0 + i for i, n in enumerate(joiners)}},
-    )
+    for i, node in enumerate(("n2", "n3", "n4")):
+        s = s.with_node(NodeInfo(node)).with_pod(pod(node, notes)).with_member(member(node, 2), at=T0 + i)
     [plan] = of(decide(s, T0 + 5, S).actions, WritePlan)
     assert plan.plan.nodes_after == ["n1", "n2", "n3"]
 
@@ -184,35 +168,30 @@ def test_world_above_max_shrinks_to_max() -> None:
 
 def test_below_min_stalls_loudly_and_recovers_when_capacity_returns() -> None:
     s = job(("n1", "n2"), notes=annotations(2, 4))
-    s = dataclasses.replace(s, members={"n1": member("n1")})
+    s = s.without_member("n2")
     d = decide(s, T0, S)
     assert not of(d.actions, WritePlan) and d.alerts.stalled
     assert [e.reason for e in of(d.actions, PostEvent)] == ["JobStalled"]
     [status] = of(d.actions, WriteStatus)
     assert status.status.state == "stalled"
     # A new node arrives: survivors + joiner reach min, the job re-forms.
-    s = dataclasses.replace(
-        s,
-        members={**s.members, "n5": member("n5", 2)},
-        nodes={**s.nodes, "n5": NodeInfo("n5")},
-        pods=s.pods + (pod("n5"),),
-    )
+    s = s.with_node(NodeInfo("n5")).with_pod(pod("n5")).with_member(member("n5", 2))
     d = decide(s, T0 + 30, S)
     [plan] = of(d.actions, WritePlan)
     assert plan.plan.nodes_after == ["n1", "n5"] and not d.alerts.stalled
 
 
 def test_restart_storm_cordons_once_deletes_the_pod_and_reforms() -> None:
-    s = job(("n1", "n2", "n3"), fleet=FleetView(hosting_nodes=20))
-    s = dataclasses.replace(s, restarts={"n2": (T0 - 50, T0 - 20, T0 - 1), "n1": (T0 - 5,)})
+    s = job(("n1", "n2", "n3"), hosting=20, restarts={"n2": (T0 - 50, T0 - 20, T0 - 1), "n1": (T0 - 5,)})
     d = decide(s, T0, S)
     assert [c.node for c in of(d.actions, Cordon)] == ["n2"]
     assert [p.name for p in of(d.actions, DeletePod)] == ["llama-n2"]
     [plan] = of(d.actions, WritePlan)
     assert plan.plan.cause == "restart-storm" and plan.plan.nodes_after == ["n1", "n3"]
     # Once the node carries the cordon, no second cordon.
-    s2 = dataclasses.replace(applied(s, d.actions), fleet=FleetView(hosting_nodes=20, cordoned=frozenset({"n2"})))
-    assert not of(decide(s2, T0 + 1, S).actions, Cordon)
+    cordon = (Taint(S.cordon.taint_key),)
+    s2 = applied(s, d.actions, T0).with_node(NodeInfo("n2", taints=cordon, unschedulable=True))
+    assert s2.fleet.cordoned == {"n2"} and not of(decide(s2, T0 + 1, S).actions, Cordon)
 
 
 def test_restart_storms_outside_the_window_are_ignored() -> None:
@@ -221,8 +200,7 @@ def test_restart_storms_outside_the_window_are_ignored() -> None:
 
 
 def test_cordon_budget_is_honoured() -> None:
-    s = job(("n1", "n2", "n3"), fleet=FleetView(hosting_nodes=10, cordoned=frozenset({"elsewhere"})))
-    s = dataclasses.replace(s, restarts={"n2": (T0 - 3, T0 - 2, T0 - 1)})
+    s = job(("n1", "n2", "n3"), hosting=10, cordoned=["elsewhere"], restarts={"n2": (T0 - 3, T0 - 2, T0 - 1)})
     d = decide(s, T0, S)
     assert not of(d.actions, Cordon) and not of(d.actions, DeletePod) and not of(d.actions, WritePlan)
     assert [e.reason for e in of(d.actions, PostEvent)] == ["CordonBudgetExhausted"]
@@ -238,12 +216,9 @@ def test_signals_during_a_reform_are_folded_into_the_next_decision() -> None:
     s, d = step(acked(s, g, 120), T0 + 2)
     assert of(d.actions, WriteExpected)[0].expected.nodes == ["n1", "n2", "n3"]
     # The round forms and the trainer resumes; the plan finishes, then n3's notice starts the next one.
-    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2", "n3")}, world_round=2, world_seen=frozenset({"n1", "n2", "n3"}))
-    s, d = step(s, T0 + 3)
+    s, d = step(s.with_members(member(n, 2) for n in ("n1", "n2", "n3")), T0 + 3)
     assert s.plan.phase == "resume" and s.plan.round_after == 2
-    s = dataclasses.replace(
-        s, progress=Progress(step=51, loss=1.0, samples_seen=0, world_size=6, time=T0 + 4, resumed_from_step=120), progress_revision=99
-    )
+    s = s.with_progress(Progress(step=51, loss=1.0, samples_seen=0, world_size=6, time=T0 + 4, resumed_from_step=120), 99)
     s, d = step(s, T0 + 4)
     assert s.plan.phase == "done" and s.plan.outcome == "completed" and s.plan.lost_steps == 0
     s, d = step(s, T0 + 5)
@@ -251,26 +226,19 @@ def test_signals_during_a_reform_are_folded_into_the_next_decision() -> None:
 
 
 def test_lost_steps_count_from_the_last_step_before_to_the_resumed_step() -> None:
-    s = job(step=230)
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
+    s = job(step=230).without_member("n3")
     s, _ = step(s, T0)
     assert s.plan.step_before == 230
-    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
-    s, _ = step(s, T0 + 1)
-    s = dataclasses.replace(
-        s, progress=Progress(step=200, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2, resumed_from_step=200), progress_revision=50
-    )
+    s, _ = step(s.with_members(member(n, 2) for n in ("n1", "n2")), T0 + 1)
+    s = s.with_progress(Progress(step=200, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2, resumed_from_step=200), 50)
     s, _ = step(s, T0 + 2)
     assert s.plan.outcome == "completed" and s.plan.lost_steps == 30
 
 
-def _resuming_after_a_loss() -> JobSnapshot:
+def _resuming_after_a_loss() -> Scene:
     """n3 lost at step 230; the round without it formed: the plan waits for the resume."""
-    s = job(step=230)
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
-    s, _ = step(s, T0)
-    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
-    s, _ = step(s, T0 + 1)
+    s, _ = step(job(step=230).without_member("n3"), T0)
+    s, _ = step(s.with_members(member(n, 2) for n in ("n1", "n2")), T0 + 1)
     return s
 
 
@@ -278,10 +246,8 @@ def test_the_completed_plan_keeps_how_the_trainer_resumed() -> None:
     s = _resuming_after_a_loss()
     assert s.plan.phase == "resume" and (s.plan.mode, s.plan.resume_phases) == ("", {})
     phases = {"process_group": 0.4, "reshard": 1.5, "first_step": 0.3}
-    s = dataclasses.replace(
-        s, progress=Progress(step=231, loss=1.0, samples_seen=0, world_size=4, time=T0 + 3, resumed_from_step=230,
-                             round=2, reform_mode="in-place", resume_phases=phases), progress_revision=50,
-    )  # fmt: skip
+    s = s.with_progress(Progress(step=231, loss=1.0, samples_seen=0, world_size=4, time=T0 + 3, resumed_from_step=230,
+                                 round=2, reform_mode="in-place", resume_phases=phases), 50)  # fmt: skip
     s, _ = step(s, T0 + 3)
     assert s.plan.outcome == "completed" and s.plan.mode == "in-place" and s.plan.resume_phases == phases
 
@@ -289,27 +255,20 @@ def test_the_completed_plan_keeps_how_the_trainer_resumed() -> None:
 def test_a_plan_that_times_out_says_nothing_of_how_the_trainer_resumed() -> None:
     s = _resuming_after_a_loss()
     # Progress from the old world (six ranks) is not the resume, whatever mode it carries.
-    s = dataclasses.replace(
-        s, progress=Progress(step=231, loss=1.0, samples_seen=0, world_size=6, time=T0 + 3, reform_mode="restart",
-                             resume_phases={"startup": 3.0}), progress_revision=50,
-    )  # fmt: skip
+    s = s.with_progress(Progress(step=231, loss=1.0, samples_seen=0, world_size=6, time=T0 + 3, reform_mode="restart",
+                                 resume_phases={"startup": 3.0}), 50)  # fmt: skip
     s, _ = step(s, T0 + 1 + S.reform.resume_timeout.total_seconds())
     assert s.plan.outcome == "timeout" and (s.plan.mode, s.plan.resume_phases) == ("", {})
 
 
 def test_a_target_lost_during_rendezvous_supersedes_the_plan() -> None:
-    s = job(("n1", "n2", "n3"))
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
-    s, _ = step(s, T0)
-    s = dataclasses.replace(s, members={"n1": member("n1")})
-    s, d = step(s, T0 + 1)
+    s, _ = step(job(("n1", "n2", "n3")).without_member("n3"), T0)
+    s, d = step(s.without_member("n2"), T0 + 1)
     assert s.plan.outcome == "superseded" and d.requeue_after == timedelta(0)
 
 
 def test_rendezvous_timeout_finishes_the_plan() -> None:
-    s = job()
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
-    s, _ = step(s, T0)
+    s, _ = step(job().without_member("n3"), T0)
     s, _ = step(s, T0 + S.reform.rendezvous_timeout.total_seconds())
     assert s.plan.outcome == "timeout"
 
@@ -319,43 +278,42 @@ def test_controller_presence_is_written_when_missing() -> None:
 
     s = job()
     assert of(decide(s, T0, S).actions, WritePresence)
-    s = applied(s, decide(s, T0, S).actions)
+    s = applied(s, decide(s, T0, S).actions, T0)
     assert not of(decide(s, T0, S).actions, WritePresence)
 
 
 def test_rendezvous_pod_on_gpu_node_raises_the_seed_alert() -> None:
-    s = job()
     etcd_pod = dataclasses.replace(pod("n1"), name="llama-etcd", labels={"regroup.dev/role": "rendezvous"}, annotations={})
-    s = dataclasses.replace(s, pods=s.pods + (etcd_pod,), nodes={**s.nodes, "n1": NodeInfo("n1", gpus=8)})
+    s = job().with_pod(etcd_pod).with_node(NodeInfo("n1", gpus=8))
     d = decide(s, T0, S)
     assert d.alerts.rendezvous_on_gpu
     assert [e.reason for e in of(d.actions, PostEvent)] == ["RendezvousOnGPUNode"]
 
 
 def test_rendezvous_flapping_alert() -> None:
-    s = job(round_times=(T0 - 100, T0 - 80, T0 - 50, T0 - 10))
+    s = job()
+    for number, at in enumerate((T0 - 100, T0 - 80, T0 - 50, T0 - 10), start=2):
+        s = s.round_formed(number, ("n1", "n2", "n3"), at=at)
+    assert list(s.round_times) == [T0 - 100, T0 - 80, T0 - 50, T0 - 10]
     d = decide(s, T0, S)
     assert d.alerts.flapping and [e.reason for e in of(d.actions, PostEvent)] == ["RendezvousFlapping"]
     assert not decide(s, T0 + 1000, S).alerts.flapping
 
 
 def test_a_restarted_agent_in_the_round_is_a_lost_node_but_a_lagging_member_is_not() -> None:
-    s = job(world_agents={"n1": 0.0, "n2": 0.0, "n3": 0.0}, world_round=2)
+    s = job().round_formed(2, ("n1", "n2", "n3"))
     # Members still report round 1 after round 2 formed: they are lagging, not lost.
     assert not of(decide(s, T0, S).actions, WritePlan)
     restarted = dataclasses.replace(s.members["n3"], joined_at=T0 - 5.0, round=0)
-    d = decide(dataclasses.replace(s, members={**s.members, "n3": restarted}), T0, S)
+    d = decide(s.with_member(restarted), T0, S)
     [plan] = of(d.actions, WritePlan)
     assert plan.plan.cause == "node-lost" and "restarted" in plan.plan.reason and plan.plan.nodes_after == ["n1", "n2"]
 
 
 def test_the_rendezvous_round_record_completes_the_rendezvous_phase() -> None:
-    s = job()
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
-    s, _ = step(s, T0)
+    s, _ = step(job().without_member("n3"), T0)
     assert s.plan.phase == "rendezvous"
     # Round 2 formed with exactly the expected nodes; members have not updated yet.
-    s, _ = step(dataclasses.replace(s, world_round=2, world_seen=frozenset({"n1", "n2"}),
-                                    world_agents={"n1": 0.0, "n2": 0.0}), T0 + 1)
+    s, _ = step(s.round_formed(2, ("n1", "n2")), T0 + 1)
     assert s.plan.phase == "resume" and s.plan.round_after == 2 and s.plan.rendezvous_done_at == T0 + 1
 

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 import pytest
 
 from controller.cluster import PodDisruption
-from controller.decide import decide
 from controller.kube.convert import pod_info
 from controller.model import ClusterModel
 from controller.settings import ControllerSettings
@@ -25,7 +24,8 @@ from regroup.records import (
 )
 from kubeapi import objects
 
-from .builders import JOB, NS, T0, applied, job, of, pod, with_disruption, with_taint
+from .builders import JOB, NS, T0, decide, job, of, pod, with_disruption, with_taint
+from .builders import step as reconcile
 from .harness import NS as E2E_NS
 from .harness import Cluster, controller, notes
 
@@ -35,8 +35,7 @@ WHY = "pod llama-n2 DisruptionTarget (PreemptionByScheduler)"
 
 
 def step(s, now):
-    d = decide(s, now, S)
-    return applied(s, d.actions), d
+    return reconcile(s, now, S)
 
 
 # --- the decision ----------------------------------------------------------------------
@@ -91,11 +90,11 @@ def test_the_exclusion_lifts_when_the_condition_goes_or_the_pod_is_replaced() ->
     s, _ = step(with_disruption(job(), "n2"), T0 + 1)
     assert "n2" in s.exclusions.nodes
     # The condition goes away (the eviction was refused, say).
-    cleared = dataclasses.replace(s, pods=tuple(dataclasses.replace(p, disruption=None) for p in s.pods))
+    cleared = s.changed_pod("n2", disruption=None)
     assert of(decide(cleared, T0 + 2, S).actions, WriteExclusions)[0].exclusions.nodes == {}
     # A replacement pod on the node, newer and without the condition.
     fresh = dataclasses.replace(pod("n2", created=T0 + 2), name=f"{JOB}-n2-b", uid="uid-n2-b")
-    replaced = dataclasses.replace(s, pods=(*s.pods, fresh))
+    replaced = s.with_pod(fresh)
     assert of(decide(replaced, T0 + 3, S).actions, WriteExclusions)[0].exclusions.nodes == {}
     # Until either, it holds: the same decision writes nothing.
     assert not of(decide(s, T0 + 2, S).actions, WriteExclusions)
@@ -104,7 +103,7 @@ def test_the_exclusion_lifts_when_the_condition_goes_or_the_pod_is_replaced() ->
 def test_a_disrupted_rendezvous_pod_is_not_a_notice() -> None:
     s = with_disruption(job(), "n2")
     etcd_pod = dataclasses.replace(s.pods[1], name="llama-etcd", uid="uid-etcd", labels={"regroup.dev/role": "rendezvous"})
-    only_etcd = dataclasses.replace(job(), pods=(*job().pods, etcd_pod))
+    only_etcd = job().with_pod(etcd_pod)
     d = decide(only_etcd, T0 + 1, S)
     assert not of(d.actions, WritePlan) and not of(d.actions, WriteExclusions)
 
@@ -117,7 +116,6 @@ def test_the_model_indexes_disrupted_pods_and_forgets_them() -> None:
     model.pod_changed(dataclasses.replace(pod("n2"), disruption=PodDisruption("EvictionByEvictionAPI", None, 30.0)))
     snap = model.snapshot((NS, JOB))
     assert list(snap.disrupted) == [f"{JOB}-n2"]
-    assert decide(snap, T0, S) == decide(dataclasses.replace(snap, disrupted=None), T0, S)
     now[0] = T0 + 5
     model.pod_changed(pod("n2"))  # the condition is gone
     assert not model.snapshot((NS, JOB)).disrupted

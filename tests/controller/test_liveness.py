@@ -12,19 +12,18 @@ import dataclasses
 from datetime import timedelta
 
 from controller.cluster import NodeInfo
-from controller.decide import decide
 from controller.settings import ControllerSettings
 from controller.snapshot import PostEvent, WriteCheckpointRequest, WriteExclusions, WritePlan
 
-from .builders import T0, acked, applied, job, member, of, with_taint
+from .builders import T0, acked, decide, job, member, of, with_taint
+from .builders import step as reconcile
 
 S = ControllerSettings()
 SPOT = "aws-node-termination-handler/spot-itn"
 
 
 def step(s, now):
-    d = decide(s, now, S)
-    return applied(s, d.actions), d
+    return reconcile(s, now, S)
 
 
 def _shrink_in_rendezvous():
@@ -37,10 +36,8 @@ def _shrink_in_rendezvous():
 
 
 def _round(s, number: int, nodes: list[str]):
-    return dataclasses.replace(
-        s, world_round=number, world_seen=frozenset(nodes), world_agents={n: 0.0 for n in nodes},
-        members={n: member(n, number) for n in nodes},
-    )
+    """Round ``number`` formed with ``nodes``, whose members report it; no other member is left."""
+    return s.round_formed(number, nodes).with_members(member(n, number) for n in nodes)
 
 
 def test_a_round_of_other_nodes_than_planned_abandons_the_plan_and_decides_again() -> None:
@@ -99,14 +96,14 @@ def test_a_leaving_node_is_excluded_until_its_taint_lifts() -> None:
     # or its node went NotReady with the taint still on.
     gone = _round(s, 2, ["n1", "n3"])
     assert not of(decide(gone, T0 + 5, S).actions, WriteExclusions)
-    not_ready = dataclasses.replace(gone, nodes={**gone.nodes, "n2": dataclasses.replace(gone.nodes["n2"], ready=False)})
+    not_ready = gone.with_node(dataclasses.replace(gone.nodes["n2"], ready=False))
     assert not of(decide(not_ready, T0 + 6, S).actions, WriteExclusions)
     # The taint lifts: so does the exclusion.
-    clean = dataclasses.replace(gone, nodes={**gone.nodes, "n2": NodeInfo("n2")})
+    clean = gone.with_node(NodeInfo("n2"))
     [lifted] = of(decide(clean, T0 + 7, S).actions, WriteExclusions)
     assert lifted.exclusions.nodes == {}
     # A deleted node has nothing left to exclude.
-    deleted = dataclasses.replace(gone, nodes={k: v for k, v in gone.nodes.items() if k != "n2"})
+    deleted = gone.without_node("n2")
     assert of(decide(deleted, T0 + 7, S).actions, WriteExclusions)[0].exclusions.nodes == {}
 
 
@@ -120,9 +117,9 @@ def test_a_restart_storm_node_is_excluded_with_its_cordon() -> None:
 
 def test_a_closed_rendezvous_finishes_the_job_and_nothing_is_re_formed() -> None:
     # The agents closed the run (training ended); then their members vanish one by one.
-    s = dataclasses.replace(_shrink_in_rendezvous(), finished=True)
+    s = _shrink_in_rendezvous().closed()
     s, d = step(s, T0 + 3)
     assert s.plan.outcome == "superseded" and s.plan.why == "the job finished (its rendezvous is closed)"
     assert s.status.state == "finished"
-    gone = dataclasses.replace(s, members={"n1": member("n1")})
+    gone = s.without_member("n2", "n3")
     assert not of(decide(gone, T0 + 4, S).actions, WritePlan)

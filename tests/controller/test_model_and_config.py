@@ -67,7 +67,7 @@ def test_world_round_moves_only_when_a_member_of_the_round_moves() -> None:
     m.etcd_delete(KEYS.member("n3"), 7)
     m.etcd_put(KEYS.member("n1"), member("n1", 2).to_json(), 8)
     snap = m.snapshot((NS, JOB))
-    assert snap.world_round == 2 and snap.world_seen == {"n1", "n4"} and snap.round_times == (T0 + 1,)
+    assert snap.world_round == 2 and snap.world_seen == {"n1", "n4"} and list(snap.round_times) == [T0 + 1]
 
 
 def test_restarts_count_from_member_records_and_pod_restart_counts() -> None:
@@ -200,7 +200,7 @@ def test_the_rendezvous_round_record_is_the_authority_on_the_current_round() -> 
                           "agents": ["n1@1700000000.25", "n2@1700000003.5"]})
     m.etcd_put(KEYS.rdzv + "state", state6.encode(), 6)
     snap = m.snapshot((NS, JOB))
-    assert snap.world_round == 6 and snap.world_seen == {"n1", "n2"} and snap.round_times == (T0 + 2,)
+    assert snap.world_round == 6 and snap.world_seen == {"n1", "n2"} and list(snap.round_times) == [T0 + 2]
     assert snap.world_agents == {"n1": 1700000000.25, "n2": 1700000003.5}
     assert not snap.finished
     closed = _json.dumps({"v": 1, "kind": "rdzv-state", "round": 6, "nodes": ["n1", "n2"], "min_nodes": 1,
@@ -232,61 +232,15 @@ def test_node_changes_no_decision_reads_wake_no_job() -> None:
     assert dirty == [(NS, JOB)]
 
 
-def test_the_suspect_index_never_changes_a_decision() -> None:
-    """Random churn: deciding on the model's suspect index equals examining every node."""
-    import dataclasses
+def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
+    """Random churn of nodes, pods (restart-only updates included), members and rounds:
+    every index the model keeps between decisions (suspects, resolved config, disrupted
+    pods, members by pod, pods by node) equals what it would compute from scratch."""
     import random
 
     from controller.decide import decide
     from controller.snapshot import WritePlan
-
-    rng = random.Random(11)
-    settings = ControllerSettings()
-    clock, dirty = Clock(), []
-    m = ClusterModel(clock, dirty.append)
-    names = [f"n{i}" for i in range(12)]
-    m.nodes_listed([NodeInfo(n) for n in names])
-    m.pods_listed([pod(n, annotations(2, 10)) for n in names[:8]])
-    m.etcd_resynced([(KEYS.member(n), member(n, 1).to_json(), 1) for n in names[:8]])
-    taints = ["karpenter.sh/disrupted", "node.kubernetes.io/unreachable", "other.io/irrelevant"]
-    for step in range(400):
-        clock.now += rng.random()
-        node = rng.choice(names)
-        roll = rng.random()
-        if roll < 0.2:
-            m.node_changed(NodeInfo(node, taints=(Taint(rng.choice(taints)),) if rng.random() < 0.5 else ()))
-        elif roll < 0.3:
-            m.node_changed(NodeInfo(node, ready=rng.choice([True, False, None])))
-        elif roll < 0.35:
-            m.node_deleted(node)
-        elif roll < 0.5:
-            disruption = PodDisruption("PreemptionByScheduler", None, 30.0) if rng.random() < 0.3 else None
-            m.pod_changed(dataclasses.replace(pod(node, annotations(2, 10)), deleting=rng.random() < 0.3,
-                                              restart_count=rng.randrange(3), disruption=disruption))
-        elif roll < 0.6:
-            m.pod_deleted(NS, f"{JOB}-{node}")
-        elif roll < 0.8:
-            m.etcd_put(KEYS.member(node), member(node, rng.choice([0, 1, 1, 2])).to_json(), step + 2)
-        elif roll < 0.9:
-            m.etcd_delete(KEYS.member(node), step + 2)
-        snap = m.snapshot((NS, JOB))
-        indexed = decide(snap, clock.now, settings)
-        full = decide(dataclasses.replace(snap, suspects=None, disrupted=None), clock.now, settings)
-        assert indexed == full, f"step {step}"
-        for action in indexed.actions:
-            if isinstance(action, WritePlan):
-                m.etcd_put(KEYS.plan, action.plan, snap.plan_revision + 1)
-
-
-def test_cached_job_views_always_equal_a_fresh_computation() -> None:
-    """Random churn, restart-only pod updates included: the flags and resolved config the
-    model keeps between decisions equal what it would compute from scratch, and so do the
-    decisions made on them."""
-    import dataclasses
-    import random
-
-    from controller.decide import decide
-    from controller.snapshot import WritePlan
+    from controller.suspects import job_suspects
     from regroup.records import RoundState
 
     rng = random.Random(23)
@@ -297,50 +251,62 @@ def test_cached_job_views_always_equal_a_fresh_computation() -> None:
     m.nodes_listed([NodeInfo(n) for n in names])
     m.pods_listed([pod(n, annotations(2, 8)) for n in names[:7]])
     m.etcd_resynced([(KEYS.member(n), member(n, 1).to_json(), 1) for n in names[:7]])
+    taints = ["karpenter.sh/disrupted", "node.kubernetes.io/unreachable", "other.io/irrelevant"]
     restarts: dict[str, int] = {}
     formed = 1
-    for step in range(600):
+    for step in range(800):
         clock.now += rng.random()
         node = rng.choice(names)
         roll = rng.random()
-        if roll < 0.3:
-            # Mostly a container restart on an unchanged pod; sometimes its phase or deletion too.
+        if roll < 0.25:
+            # Mostly a container restart on an unchanged pod; sometimes its phase, deletion or disruption too.
             restarts[node] = restarts.get(node, 0) + 1
             changed = dataclasses.replace(pod(node, annotations(2, 8)), restart_count=restarts[node])
             if rng.random() < 0.2:
+                disruption = PodDisruption("PreemptionByScheduler", None, 30.0) if rng.random() < 0.5 else None
                 changed = dataclasses.replace(changed, phase=rng.choice(["Running", "Failed"]),
-                                              deleting=rng.random() < 0.5)
+                                              deleting=rng.random() < 0.5, disruption=disruption)
             m.pod_changed(changed)
-        elif roll < 0.4:
+        elif roll < 0.33:
             m.pod_changed(pod(node, annotations(2, rng.choice([8, 9])), created=rng.random()))
-        elif roll < 0.5:
+        elif roll < 0.4:
             m.pod_deleted(NS, f"{JOB}-{node}")
             restarts.pop(node, None)
-        elif roll < 0.75:
+        elif roll < 0.6:
             record = dataclasses.replace(member(node, rng.choice([formed, formed, formed + 1]), restarts=rng.randrange(4)),
                                          pod=f"{JOB}-{rng.choice([node, node, rng.choice(names)])}")
             m.etcd_put(KEYS.member(node), record.to_json(), step + 2)
-        elif roll < 0.85:
+        elif roll < 0.7:
             m.etcd_delete(KEYS.member(node), step + 2)
-        elif roll < 0.9:
+        elif roll < 0.75:
             formed += 1
             agents = [f"{n}@{rng.choice([0.0, 1.0])}" for n in rng.sample(names, 4)]
             state_record = RoundState(min_nodes=2, max_nodes=9, round=formed, agents=agents)
             m.etcd_put(KEYS.root + "rdzv/state", state_record.to_json(), step + 2)
+        elif roll < 0.85:
+            m.node_changed(NodeInfo(node, taints=(Taint(rng.choice(taints)),) if rng.random() < 0.5 else ()))
+        elif roll < 0.95:
+            m.node_changed(NodeInfo(node, ready=rng.choice([True, False, None])))
         else:
-            m.node_changed(NodeInfo(node, ready=rng.choice([True, False])))
+            m.node_deleted(node)
         state = m.jobs[(NS, JOB)]
         snap = m.snapshot((NS, JOB))
-        assert state.flagged == m._job_flags(state), f"step {step}"
+        assert state.suspects == job_suspects(state, m.fleet), f"step {step}"
         fresh = resolve_job_config(snap.pods, settings.jobs)
         assert (snap.resolved.config, snap.resolved.newest and snap.resolved.newest.name) == (
             fresh.config, fresh.newest and fresh.newest.name), f"step {step}"
         assert [(p.pod.name, p.message) for p in snap.resolved.problems] == [
             (p.pod.name, p.message) for p in fresh.problems], f"step {step}"
-        indexed = decide(snap, clock.now, settings)
-        full = decide(dataclasses.replace(snap, suspects=None, resolved=None), clock.now, settings)
-        assert indexed == full, f"step {step}"
-        for action in indexed.actions:
+        assert snap.disrupted == {p.name: p for p in snap.pods if p.disruption is not None}, f"step {step}"
+        by_pod: dict[str, set[str]] = {}
+        for n, record in snap.members.items():
+            by_pod.setdefault(record.pod, set()).add(n)
+        assert state.member_pods == by_pod, f"step {step}"
+        on_nodes: dict[str, set[tuple[str, str]]] = {}
+        for p in snap.pods:
+            on_nodes.setdefault(p.node, set()).add((p.namespace, p.name))
+        assert m.fleet.node_pods == on_nodes and set(m.fleet.pod_job) == set().union(*on_nodes.values()), f"step {step}"
+        for action in decide(snap, clock.now, settings).actions:
             if isinstance(action, WritePlan):
                 m.etcd_put(KEYS.plan, action.plan, snap.plan_revision + 1)
 
@@ -376,3 +342,37 @@ def test_an_agent_coming_back_to_a_node_is_a_new_joiner_not_an_old_sighting() ->
     snap = m.snapshot((NS, JOB))
     # The join window of the returning agent starts when it registered, not 100 s ago.
     assert snap.first_seen[member_seen_key("n4", T0 + 100, 0)] == T0 + 100
+
+
+async def test_the_same_event_is_posted_once_per_memory_and_expired_ones_are_forgotten() -> None:
+    from controller.cluster import ObjectRef
+    from controller.metrics import ControllerMetrics
+    from controller.reconciler import EVENT_MEMORY, Reconciler
+    from controller.snapshot import PostEvent
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.posted: list[str] = []
+
+        async def post_event(self, ref, type_, reason, message) -> None:
+            self.posted.append(message)
+
+    recorder = Recorder()
+    clock, _ = Clock(), []
+    reconciler = Reconciler(ClusterModel(clock, lambda job: None), ControllerSettings(), None, recorder,  # type: ignore[arg-type]
+                            ControllerMetrics())
+    memory = EVENT_MEMORY.total_seconds()
+
+    def event(message: str) -> PostEvent:
+        return PostEvent(ObjectRef("Pod", "p", NS), "Normal", "Test", message)
+
+    await reconciler._post_event(event("a"), T0)
+    await reconciler._post_event(event("a"), T0 + memory - 1)
+    assert recorder.posted == ["a"]
+    for i in range(1, 50):
+        await reconciler._post_event(event(f"b{i}"), T0 + i)
+    await reconciler._post_event(event("a"), T0 + memory)
+    assert recorder.posted[-1] == "a" and len(recorder.posted) == 51
+    # Once every other Event's memory has passed, only the one posted last is remembered.
+    await reconciler._post_event(event("c"), T0 + 2 * memory)
+    assert list(reconciler._events) == [("Pod", NS, "p", "Test", "c")]

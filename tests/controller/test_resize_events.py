@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
-from controller.decide import decide
 from controller.reform_summary import resize_message
 from controller.settings import ControllerSettings
 from controller.snapshot import PostEvent
 from regroup.records import Progress, ReformPlan
 
-from .builders import JOB, T0, applied, job, member
+from .builders import JOB, T0, applied, decide, job, member
 
 S = ControllerSettings()
 
@@ -46,18 +44,16 @@ def test_the_resize_message_says_sizes_cause_nodes_lost_steps_and_duration(plan:
 
 
 def test_a_completed_reform_posts_resized_on_every_pod_and_only_then() -> None:
-    s = job(step=230)
-    s = dataclasses.replace(s, members={k: v for k, v in s.members.items() if k != "n3"})
+    s = job(step=230).without_member("n3")
     d = decide(s, T0, S)
     assert not [a for a in d.actions if isinstance(a, PostEvent) and a.reason == "Resized"]
-    s = applied(s, d.actions)
-    s = dataclasses.replace(s, members={n: member(n, 2) for n in ("n1", "n2")}, world_round=2, world_seen=frozenset({"n1", "n2"}))
-    s = applied(s, decide(s, T0 + 1, S).actions)
+    s = applied(s, d.actions, T0)
+    s = s.with_members(member(n, 2) for n in ("n1", "n2"))
+    s = applied(s, decide(s, T0 + 1, S).actions, T0 + 1)
     assert s.plan.phase == "resume"
-    s = dataclasses.replace(
-        s, progress=Progress(step=229, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2.5, resumed_from_step=228),
-        progress_revision=50,
-    )  # fmt: skip
+    s = s.at(T0 + 2.5).with_progress(
+        Progress(step=229, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2.5, resumed_from_step=228), 50
+    )
     d = decide(s, T0 + 2.5, S)
     events = [a for a in d.actions if isinstance(a, PostEvent) and a.reason == "Resized"]
     assert {e.ref.name for e in events} == {f"{JOB}-{n}" for n in ("n1", "n2", "n3")}

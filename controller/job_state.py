@@ -1,0 +1,147 @@
+"""Everything the model knows about one job, and the job's own indexes.
+
+Pods and members come in one at a time; the indexes beside them (pods by name and the
+members naming each, disrupted pods, restart history, first sightings, the resolved
+config) change with them, so a snapshot reads them instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from controller.cluster import PodInfo
+from controller.disruption import disruption_key
+from controller.jobconfig import ResolvedConfig
+from controller.multimap import index_add, index_discard
+from controller.rounds import HISTORY, JobRound
+from controller.sightings import FirstSeen
+from controller.signals import member_seen_key, signal_key
+from regroup import records
+
+
+@dataclass
+class JobState:
+    """One job: its pods and members as observed, its etcd records, and their indexes."""
+
+    pods: dict[str, PodInfo] = field(default_factory=dict)
+    members: dict[str, records.MemberRecord] = field(default_factory=dict)
+    round: JobRound = field(default_factory=JobRound)
+    first_seen: dict[str, float] = field(default_factory=dict)
+    """The job's own sightings (see ``controller.sightings``)."""
+    restarts: dict[str, deque[float]] = field(default_factory=dict)
+    """Per node, when rank or container restarts were observed there, oldest first."""
+    plan: records.ReformPlan | None = None
+    plan_revision: int = 0
+    checkpoint: records.CheckpointRequest | None = None
+    expected: records.ExpectedMembership | None = None
+    reform: records.ReformRequest | None = None
+    acks: dict[int, records.CheckpointAck] = field(default_factory=dict)
+    progress: records.Progress | None = None
+    progress_revision: int = 0
+    presence: records.ControllerPresence | None = None
+    status: records.JobStatus | None = None
+    exclusions: records.Exclusions | None = None
+    # --- indexes -----------------------------------------------------------------------
+    pod_restarts: dict[str, int] = field(default_factory=dict)
+    """Pod -> the restart count last seen (restarts are counted from the difference)."""
+    member_pods: dict[str, set[str]] = field(default_factory=dict)
+    """Pod name -> the nodes whose member names it."""
+    disrupted: dict[str, PodInfo] = field(default_factory=dict)
+    """Pods carrying ``DisruptionTarget=True``, by name."""
+    pods_view: tuple[PodInfo, ...] | None = None
+    """``tuple(pods.values())``; None after any pod change."""
+    resolved: ResolvedConfig | None = None
+    """The config resolved from the pods; None after any pod change other than a restart
+    count (which nothing resolved reads)."""
+    suspects: set[str] | None = None
+    """Nodes of the job that are not plainly healthy (``controller.suspects``); None after
+    the round changes, else updated node by node."""
+    sightings: FirstSeen | None = None
+    """The job's sightings joined with its nodes' (made once, on the first snapshot)."""
+
+    def empty(self) -> bool:
+        return not self.pods and not self.members and self.plan is None and self.progress is None
+
+    def restarted(self, node: str, count: int, now: float) -> None:
+        history = self.restarts.setdefault(node, deque(maxlen=HISTORY))
+        history.extend([now] * min(count, HISTORY))
+
+    def put_pod(self, pod: PodInfo, old: PodInfo | None, now: float) -> bool:
+        """Record ``pod`` (``old``: the pod of that name before, if any). Returns whether
+        more than its restart count changed (a restart alone changes nothing the resolved
+        config or the suspects read; the storm rule reads ``restarts``, kept here)."""
+        self.pods[pod.name] = pod
+        self.pods_view = None
+        touched = old is None or not _restart_only(old, pod)
+        if touched:
+            self.resolved = None
+        previous = self.pod_restarts.get(pod.name, pod.restart_count if old is None else 0)
+        if pod.restart_count > previous and pod.node is not None:
+            self.restarted(pod.node, pod.restart_count - previous, now)
+        self.pod_restarts[pod.name] = pod.restart_count
+        if pod.deleting and pod.node is not None and not (old is not None and old.deleting):
+            self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
+        self._track_disruption(old, pod, now)
+        return touched
+
+    def remove_pod(self, name: str, now: float) -> PodInfo | None:
+        pod = self.pods.pop(name, None)
+        self.pods_view = None
+        self.resolved = None
+        self.pod_restarts.pop(name, None)
+        if pod is not None and pod.node is not None:
+            self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
+        self._track_disruption(pod, None, now)
+        return pod
+
+    def nodes_naming(self, pod: str) -> Iterable[str]:
+        """Nodes whose member names pod ``pod``."""
+        return self.member_pods.get(pod, ())
+
+    def _track_disruption(self, old: PodInfo | None, pod: PodInfo | None, now: float) -> None:
+        """Keep the index of disrupted pods and when each condition was first seen."""
+        if old is not None and old.disruption is not None:
+            if pod is None or pod.disruption is None or disruption_key(pod) != disruption_key(old):
+                self.first_seen.pop(disruption_key(old), None)
+            self.disrupted.pop(old.name, None)
+        if pod is not None and pod.disruption is not None:
+            self.first_seen.setdefault(disruption_key(pod), now)
+            self.disrupted[pod.name] = pod
+
+    def put_member(self, node: str, member: records.MemberRecord, now: float) -> None:
+        old = self.members.get(node)
+        self.members[node] = member
+        if old is not None and old.pod != member.pod:
+            index_discard(self.member_pods, old.pod, node)
+        if member.pod:
+            index_add(self.member_pods, member.pod, node)
+        self.first_seen.pop(signal_key(node, "member-gone"), None)
+        self.first_seen.setdefault(member_seen_key(node, member.joined_at, member.round), now)
+        if old is not None and member.restart_count > old.restart_count:
+            self.restarted(node, member.restart_count - old.restart_count, now)
+
+    def remove_member(self, node: str, now: float) -> bool:
+        """Forget ``node``'s member; whether there was one."""
+        old = self.members.pop(node, None)
+        if old is None:
+            return False
+        index_discard(self.member_pods, old.pod, node)
+        self.first_seen.setdefault(signal_key(node, "member-gone"), now)
+        return True
+
+    def put_ack(self, ack: records.CheckpointAck, now: float) -> None:
+        self.acks[ack.generation] = ack
+        self.first_seen.setdefault(signal_key("", f"ack:{ack.generation}"), now)
+        for old in sorted(self.acks)[:-8]:
+            del self.acks[old]
+
+    def progress_arrived(self, now: float) -> None:
+        # Not a first sighting: the time the latest progress record arrived.
+        self.first_seen[signal_key("", "progress")] = now
+
+
+def _restart_only(old: PodInfo, pod: PodInfo) -> bool:
+    """Whether ``pod`` differs from ``old`` in its restart count alone."""
+    return old.restart_count != pod.restart_count and old == replace(pod, restart_count=old.restart_count)

@@ -1,0 +1,49 @@
+"""The nodes of a job that a decision must look at closely.
+
+A node of the job (of its round, or with a member) is a suspect unless it is plainly
+healthy: its member is in the current round with the agent the round names, its pod is
+there and running, and the node is known and carries no taint, cordon or NotReady.
+``decide`` examines only suspects; every other node of the round is known healthy.
+Over-flagging is harmless (a closer look), missing one is not, so anything in doubt is
+a suspect. The model keeps each job's set up to date node by node (``refresh``) and
+recomputes it whole only when the round changes (``job_suspects``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from controller.fleet import Fleet
+from controller.job_state import JobState
+
+
+def is_suspect(state: JobState, fleet: Fleet, node: str) -> bool:
+    """Whether ``node``, a node of the job's round or members, is not plainly healthy."""
+    member = state.members.get(node)
+    if member is None or member.round != state.round.world_round or node in fleet.flagged or node not in fleet.nodes:
+        return True
+    agents = state.round.agents
+    if node in agents and member.joined_at != agents[node]:
+        return True
+    if member.pod:
+        pod = state.pods.get(member.pod)
+        return pod is None or pod.deleting or pod.phase in ("Failed", "Succeeded")
+    return False
+
+
+def job_suspects(state: JobState, fleet: Fleet) -> set[str]:
+    """The job's suspects computed afresh."""
+    nodes = state.round.seen | state.members.keys()
+    return {node for node in nodes if is_suspect(state, fleet, node)}
+
+
+def refresh(state: JobState, fleet: Fleet, nodes: Iterable[str]) -> None:
+    """Bring the job's suspects up to date after a change that concerns only ``nodes``."""
+    suspects = state.suspects
+    if suspects is None:
+        return
+    for node in nodes:
+        if (node in state.members or node in state.round.seen) and is_suspect(state, fleet, node):
+            suspects.add(node)
+        else:
+            suspects.discard(node)
