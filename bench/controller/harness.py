@@ -1,0 +1,145 @@
+"""The controller as the benchmark runs it, and how it is fed and timed.
+
+The same ``ClusterModel``, ``WorkQueue``, ``Reconciler`` and ``decide`` as in production;
+etcd writes land in the model and cluster actions cost nothing. Signal->decision latency
+runs from the moment a signal entered the system (``Harness.origin``: when it was offered
+to the controller, or written into the API stand-in) to the end of the first decision
+of each job it dirtied that started after it: a decision that covers several signals
+counts from the first of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from controller.cluster import ObjectRef
+from controller.metrics import ControllerMetrics
+from controller.model import ClusterModel, JobId
+from controller.reconciler import Outcome, Reconciler
+from controller.runtime import ReconcileLoop
+from controller.settings import ControllerSettings
+from controller.workqueue import WorkQueue
+from regroup.keys import JobKeys
+from regroup.records import Progress
+
+from .storm import NAMESPACE, Event, Layout, member
+
+
+class NullActuator:
+    """Cluster actions cost nothing here: the bench measures observing and deciding."""
+
+    async def cordon(self, node: str, reason: str, taint_key: str, now: float) -> None:
+        return None
+
+    async def delete_pod(self, namespace: str, name: str, reason: str) -> None:
+        return None
+
+    async def post_event(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
+        return None
+
+
+class TimedReconciler(Reconciler):
+    """Records, per decision, how long the oldest signal it covers waited for it."""
+
+    def __init__(self, harness: Harness, *args: Any) -> None:
+        super().__init__(*args)
+        self.harness = harness
+
+    async def reconcile(self, job: JobId) -> Outcome:
+        since = self.harness.pending.pop(job, None)
+        outcome = await super().reconcile(job)
+        self.harness.decisions += 1
+        if since is not None:
+            self.harness.latencies.append(time.perf_counter() - since)
+        return outcome
+
+
+class Harness:
+    """Model, queue, reconciler and workers, with latencies recorded per decision."""
+
+    def __init__(self, workers: int) -> None:
+        self.settings = ControllerSettings()
+        self.queue: WorkQueue[JobId] = WorkQueue(time.perf_counter)
+        self.model = ClusterModel(time.time, self._dirty, prefix=self.settings.etcd_prefix, job_defaults=self.settings.jobs)
+        self.reconciler = TimedReconciler(self, self.model, self.settings, None, NullActuator(), ControllerMetrics())
+        self.loop = ReconcileLoop(self.reconciler, self.queue)
+        self.workers = workers
+        self.tasks: list[asyncio.Task[None]] = []
+        self.origin: float | None = None
+        """When the signal being delivered entered the system (None: now)."""
+        self.pending: dict[JobId, float] = {}
+        """Job -> the oldest signal that dirtied it since its last decision started."""
+        self.latencies: list[float] = []
+        self.decisions = 0
+
+    def _dirty(self, job: JobId) -> None:
+        if job not in self.pending:
+            self.pending[job] = self.origin if self.origin is not None else time.perf_counter()
+        self.queue.add(job)
+
+    def reset(self) -> None:
+        self.latencies.clear()
+        self.decisions = 0
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.loop.worker()) for _ in range(self.workers)]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.queue.close()
+
+    async def drained(self) -> None:
+        while len(self.queue) or self.queue._active:
+            await asyncio.sleep(0.001)
+
+    def seed_etcd(self, layout: Layout) -> None:
+        items = []
+        for j in range(layout.jobs):
+            keys = JobKeys(NAMESPACE, layout.job(j), self.settings.etcd_prefix)
+            for n in layout.job_nodes(j):
+                items.append((keys.member(n), member(layout, j, n), 1))
+            progress = Progress(step=100, loss=1.0, samples_seen=0, world_size=400, time=time.time())
+            items.append((keys.progress, progress.to_json(), 1))
+        self.model.etcd_resynced(items)
+
+
+async def offer(events: Sequence[Event], rate: float, deliver: Callable[[Event, float], None]) -> None:
+    """Offer ``events`` at ``rate`` per second: event i arrives ``i / rate`` after the start.
+    Each turn hands over every event that has arrived by then, as a watch read returns all
+    that is buffered, so a controller that falls behind gets bigger batches, and each event
+    is stamped with its arrival (``deliver(event, arrived)``)."""
+    start = time.perf_counter()
+    done = 0
+    while done < len(events):
+        arrived = min(len(events), int((time.perf_counter() - start) * rate) + 1)
+        for i in range(done, arrived):
+            deliver(events[i], start + i / rate)
+        done = arrived
+        # Until the next arrival, at least a millisecond (a watch read's granularity); at
+        # once when it has arrived already.
+        wait = start + done / rate - time.perf_counter()
+        await asyncio.sleep(max(0.001, wait) if wait > 0 else 0)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))] if ordered else 0.0
+
+
+def latency_summary(latencies: Sequence[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(percentile(latencies, 0.50) * 1e3, 3),
+        "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3),
+        "mean_ms": round(statistics.fmean(latencies) * 1e3, 3) if latencies else 0.0,
+    }
+
+
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
