@@ -144,6 +144,10 @@ class Reconciler:
     # --- actions ---------------------------------------------------------------------
 
     async def _apply(self, job: JobId, action: Action, now: float) -> None:
+        if type(action) is PostEvent:
+            # The most frequent action (a finished re-form tells each of the job's pods).
+            await self._post_event(action, now)
+            return
         keys = self._job_keys.get(job)
         if keys is None:
             keys = self._job_keys[job] = JobKeys(job[0], job[1], self.settings.etcd_prefix)
@@ -166,8 +170,6 @@ class Reconciler:
         elif isinstance(action, DeletePod):
             log.info("deleting pod", namespace=action.namespace, pod=action.name, reason=action.reason)
             await self.actuator.delete_pod(action.namespace, action.name, action.reason)
-        elif isinstance(action, PostEvent):
-            await self._post_event(action, now)
 
     async def _put(self, job: JobId, keys: JobKeys, kind: KeyKind, record: Record, leased: bool = False) -> None:
         # Our own writes go into the model by job and wake no one.

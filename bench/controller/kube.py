@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from .harness import Harness, latency_summary, offer, peak_rss_mb
+from .direct import paced_summary
+from .harness import Harness, offer, peak_rss_mb
 from .storm import ANNOTATIONS, NAMESPACE, Event, Layout, encoded, storm
 
 NODE_EVENTS = ("taint", "untaint", "ready")
@@ -106,30 +107,37 @@ async def standin(layout: Layout) -> AsyncIterator[tuple[Any, Any]]:
             await api.stop()
 
 
-async def run_http(layout: Layout, count: int, seed: int, workers: int, rate: float, paced_count: int) -> dict[str, Any]:
-    async with standin(layout) as (api, api_client):
-        return await _run_http(layout, count, seed, workers, rate, paced_count, api, api_client)
-
-
-async def _run_http(layout: Layout, count: int, seed: int, workers: int, rate: float, paced_count: int,
-                    api: Any, api_client: Any) -> dict[str, Any]:  # fmt: skip
+@contextlib.asynccontextmanager
+async def watched(layout: Layout, workers: int) -> AsyncIterator[tuple[Any, Harness, StampingSink, float]]:
+    """A fresh stand-in and a controller harness fed by the real list+watch source from
+    it, listed and settled: (stand-in, harness, sink, seconds the initial list took)."""
     from controller.kube.api import RawKube
     from controller.kube.source import KubeSource
 
-    h = Harness(workers)
-    sink = StampingSink(h)
-    h.seed_etcd(layout)
-    source = KubeSource(RawKube(api_client), h.settings.kube, h.reconciler.metrics)
-    h.start()
-    listed_at = time.perf_counter()
-    source_task = asyncio.create_task(source.run(sink))  # type: ignore[arg-type]
-    try:
-        while not (h.model.nodes_synced and h.model.pods_synced and api.open_watches() == 2):
-            await asyncio.sleep(0.005)
-        list_seconds = time.perf_counter() - listed_at
-        await h.drained()
-        h.reset()
-        # Throughput: the storm written as fast as the stand-in takes it.
+    async with standin(layout) as (api, api_client):
+        h = Harness(workers)
+        sink = StampingSink(h)
+        h.seed_etcd(layout)
+        source = KubeSource(RawKube(api_client), h.settings.kube, h.reconciler.metrics)
+        h.start()
+        listed_at = time.perf_counter()
+        source_task = asyncio.create_task(source.run(sink))  # type: ignore[arg-type]
+        try:
+            while not (h.model.nodes_synced and h.model.pods_synced and api.open_watches() == 2):
+                await asyncio.sleep(0.005)
+            list_seconds = time.perf_counter() - listed_at
+            await h.drained()
+            h.reset()
+            yield api, h, sink, list_seconds
+        finally:
+            source_task.cancel()
+            await asyncio.gather(source_task, return_exceptions=True)
+            await h.stop()
+
+
+async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[str, Any]:
+    """Throughput: the storm written as fast as the stand-in takes it."""
+    async with watched(layout, workers) as (api, h, sink, list_seconds):
         events = [encoded(layout, h.settings.etcd_prefix, e) for e in storm(layout, count, seed)]
         base = expected = sink.seen
         start, cpu = time.perf_counter(), time.process_time()
@@ -150,19 +158,19 @@ async def _run_http(layout: Layout, count: int, seed: int, workers: int, rate: f
                   "initial_list_s": round(list_seconds, 2), "standin_writes_s": round(applied, 3),
                   "kube_events": expected - base, "kube_events_per_s": round((expected - base) / elapsed, 1),
                   "cpu_s": round(cpu, 3), "events_per_cpu_s": round(len(events) / cpu, 1)}  # fmt: skip
-        result.update(await _paced(layout, seed + 1, rate, paced_count, api, h, sink))
-    finally:
-        source_task.cancel()
-        await asyncio.gather(source_task, return_exceptions=True)
-        await h.stop()
     return result
+
+
+async def run_http_paced(layout: Layout, seed: int, workers: int, rate: float, count: int) -> dict[str, Any]:
+    """Latency: a storm offered at ``rate`` events/s to a fresh stand-in, every decision
+    timed from the moment each event was written there."""
+    async with watched(layout, workers) as (api, h, sink, _):
+        return await _paced(layout, seed + 1, rate, count, api, h, sink)
 
 
 async def _paced(layout: Layout, seed: int, rate: float, count: int, api: Any, h: Harness,
                  sink: StampingSink) -> dict[str, Any]:  # fmt: skip
-    """A second storm offered at ``rate`` events/s to the stand-in, every decision timed
-    from the moment each event was written there."""
-    h.reset()
+    """A storm offered at ``rate`` events/s to the stand-in."""
     paced = [encoded(layout, h.settings.etcd_prefix, e) for e in storm(layout, count, seed)]
     expected = sink.seen
 
@@ -180,9 +188,7 @@ async def _paced(layout: Layout, seed: int, rate: float, count: int, api: Any, h
         await asyncio.sleep(0.001)
     await h.drained()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"paced_rate": rate, "paced_events": len(paced), "paced_achieved_per_s": round(len(paced) / elapsed, 1),
-            "paced_decisions": h.decisions, "paced_cpu_share": round(cpu / elapsed, 2),
-            **latency_summary(h.latencies), "peak_rss_mb": peak_rss_mb()}  # fmt: skip
+    return paced_summary(rate, len(paced), elapsed, cpu, h)
 
 
 async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:

@@ -150,10 +150,12 @@ def _node_notice(
 def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now: float, out: Out) -> list[str]:
     """Healthy members waiting outside the current round, oldest first. A member on
     probation (its own workers just failed, or are still starting up) is not one yet."""
-    world_round = s.world_round
+    world_round, members = s.world_round, s.members
     waiting = []
-    for n, m in s.members.items():
-        if m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
+    # A member outside the round is a suspect (``controller.suspects``): look no further.
+    for n in s.suspects:
+        m = members.get(n)
+        if m is None or m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
             continue
         if m.not_before > now:
             out.again_in(m.not_before - now)

@@ -25,7 +25,8 @@ def advance(sit: Situation, plan: ReformPlan) -> str:
     step = PHASE_STEPS.get(plan.phase)
     if step is None:
         return finish(sit.s, plan, sit.now, ReformOutcome.SUPERSEDED, sit.out, f"unknown phase {plan.phase.value!r}")
-    lost_targets = sorted(n for n in plan.nodes_after if n in sit.health.lost)
+    lost = sit.health.lost
+    lost_targets = sorted(set(plan.nodes_after).intersection(lost)) if lost else []
     return step(sit, plan, lost_targets)
 
 
@@ -75,7 +76,8 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     """Wait for the planned nodes to form a newer round, then wait for the trainer."""
     s, now, out = sit.s, sit.now, sit.out
     reform_writes(plan, out, s)
-    rounds = [s.members[n].round for n in plan.nodes_after if n in s.members]
+    members, before = s.members, plan.round_before
+    pending = [n for n in plan.nodes_after if n not in members or members[n].round <= before]
     # Formed: the rendezvous' round record shows a newer round of exactly the planned
     # nodes, or (without that record) every planned member reports a newer round. A
     # newer round of other nodes (one formed while no controller led, say) is not this
@@ -84,8 +86,8 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     if newer and set(s.world_agents) != set(plan.nodes_after):
         return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, _other_round(s, plan))
     formed = newer and set(plan.nodes_after) <= s.world_seen
-    if formed or (len(rounds) == len(plan.nodes_after) and all(r > plan.round_before for r in rounds)):
-        round_after = s.world_round if formed else max(rounds)
+    if formed or not pending:
+        round_after = s.world_round if formed else max(members[n].round for n in plan.nodes_after)
         updated = dataclasses.replace(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=now)
         out.actions.append(WritePlan(updated, s.plan_revision))
         out.again_in(sit.settings.reform.resume_timeout.total_seconds())
@@ -97,7 +99,6 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     if elapsed >= limit:
         return finish(s, plan, now, ReformOutcome.TIMEOUT, out, "expected members did not all join the new round")
     out.again_in(limit - elapsed)
-    pending = [n for n in plan.nodes_after if n not in s.members or s.members[n].round <= plan.round_before]
     return f"re-form {plan.generation}: waiting for {', '.join(pending)} to join the new round"
 
 

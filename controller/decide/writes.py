@@ -57,12 +57,16 @@ def request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
 
 def reform_writes(plan: ReformPlan, out: Out, s: JobSnapshot | None = None) -> None:
     """Write the plan's expected membership and reform request, each unless ``s`` shows it already."""
+    expected = s is None or s.expected is None or s.expected.generation != plan.generation
+    reform = s is None or s.reform is None or s.reform.generation != plan.generation
+    if not (expected or reform):
+        return
     rdzv = traceparent(plan.trace_id, ReformPhase.RENDEZVOUS.value)
-    if s is None or s.expected is None or s.expected.generation != plan.generation:
+    if expected:
         out.actions.append(
             WriteExpected(ExpectedMembership(plan.generation, list(plan.nodes_after), plan.reason, rdzv))
         )
-    if s is None or s.reform is None or s.reform.generation != plan.generation:
+    if reform:
         out.actions.append(
             WriteReform(ReformRequest(plan.generation, plan.cause.value, plan.reason, rdzv, plan.reform_requested_at))
         )
