@@ -157,7 +157,7 @@ async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[
                   "events_per_s": round(len(events) / elapsed, 1), "decisions": h.decisions,
                   "initial_list_s": round(list_seconds, 2), "standin_writes_s": round(applied, 3),
                   "kube_events": expected - base, "kube_events_per_s": round((expected - base) / elapsed, 1),
-                  "cpu_s": round(cpu, 3), "events_per_cpu_s": round(len(events) / cpu, 1)}  # fmt: skip
+                  "cpu_s": round(cpu, 3), "events_per_cpu_s": round(len(events) / cpu, 1), "peak_rss_mb": peak_rss_mb()}  # fmt: skip
     return result
 
 
