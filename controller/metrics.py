@@ -29,7 +29,7 @@ class ControllerMetrics:
             "regroup_reforms_abandoned", "Re-forms given up (outcome timeout or superseded); decided afresh.",
             ["namespace", "job", "cause", "phase", "outcome"], registry=r,
         )
-        self.world_size = Gauge("regroup_world_size", "Nodes in the job's current round.", ["namespace", "job"], registry=r)
+        self.job_nodes = Gauge("regroup_job_nodes", "Nodes in the job's current round.", ["namespace", "job"], registry=r)
         self.min_nodes = Gauge("regroup_job_min_nodes", "The job's min-nodes.", ["namespace", "job"], registry=r)
         self.max_nodes = Gauge("regroup_job_max_nodes", "The job's max-nodes.", ["namespace", "job"], registry=r)
         self.stalled = Gauge("regroup_job_stalled", "1 while the job is below its min-nodes.", ["namespace", "job"], registry=r)
@@ -58,7 +58,7 @@ class ControllerMetrics:
 
     def forget_job(self, namespace: str, job: str) -> None:
         """Drop a deleted job's per-job gauges."""
-        for gauge in (self.world_size, self.min_nodes, self.max_nodes, self.stalled, self.flapping,
+        for gauge in (self.job_nodes, self.min_nodes, self.max_nodes, self.stalled, self.flapping,
                       self.rendezvous_on_gpu, self.bad_config):
             try:
                 gauge.remove(namespace, job)

@@ -248,7 +248,7 @@ class Reconciler:
 
     def _export_gauges(self, job: JobId, decision: Decision) -> None:
         a = decision.alerts
-        values = (decision.world_size, decision.min_nodes, decision.max_nodes, a.stalled, a.bad_config, a.flapping,
+        values = (decision.node_count, decision.min_nodes, decision.max_nodes, a.stalled, a.bad_config, a.flapping,
                   a.rendezvous_on_gpu)
         if self._gauges.get(job) != values:
             # Label lookups cost more than the decision itself; set only what changed.
@@ -258,7 +258,7 @@ class Reconciler:
                 m = self.metrics
                 children = self._gauge_children[job] = tuple(
                     g.labels(*job)
-                    for g in (m.world_size, m.min_nodes, m.max_nodes, m.stalled, m.bad_config, m.flapping,
+                    for g in (m.job_nodes, m.min_nodes, m.max_nodes, m.stalled, m.bad_config, m.flapping,
                               m.rendezvous_on_gpu)
                 )
             for child, value in zip(children, values, strict=True):

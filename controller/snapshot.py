@@ -201,7 +201,7 @@ class Decision:
     actions: tuple[Action, ...]
     reason: str
     requeue_after: timedelta | None = None
-    world_size: int = 0
+    node_count: int = 0
     """Nodes in the job's current round."""
     min_nodes: int = 0
     max_nodes: int = 0

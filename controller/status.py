@@ -66,7 +66,7 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
                     "generation": plan.generation, "cause": plan.cause.value, "planned": plan.planned,
                     "phase": plan.phase.value, "outcome": plan.outcome.value, "reason": plan.reason,
                     "fallback": plan.fallback, "why": plan.why,
-                    "world_size_before": len(plan.nodes_before), "world_size_after": len(plan.nodes_after),
+                    "node_count_before": len(plan.nodes_before), "node_count_after": len(plan.nodes_after),
                     "lost_steps": plan.lost_steps, "trace_id": plan.trace_id,
                     "duration_s": round(reform_seconds(plan), 3) if done else None,
                     # The message of the re-form's Resized Event: etcd keeps only the last re-form;
@@ -80,7 +80,7 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
     members.sort(key=lambda m: m["node"])
     status = report.get("status") or {}
     report["state"] = status.get("state", "unknown (no controller verdict)")
-    report["world_size"] = status.get("world_size", len(members))
+    report["node_count"] = status.get("node_count", len(members))
     return report
 
 
@@ -88,7 +88,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"job {report['namespace']}/{report['job']}: {report['state']}"]
     status = report.get("status")
     if status:
-        lines.append(f"  world: {status['world_size']} nodes (min {status['min_nodes']}, max {status['max_nodes']})"
+        lines.append(f"  world: {status['node_count']} nodes (min {status['min_nodes']}, max {status['max_nodes']})"
                      f" - {status['reason']}")
         if status.get("alerts"):
             lines.append(f"  alerts: {', '.join(status['alerts'])}")
@@ -99,13 +99,13 @@ def render(report: dict[str, Any]) -> str:
     progress = report.get("progress")
     if progress:
         age = timedelta(seconds=int(max(0.0, time.time() - progress["time"])))
-        lines.append(f"  last step: {progress['step']} at world size {progress['world_size']} ({age} ago),"
+        lines.append(f"  last step: {progress['step']} on {progress['world_size']} ranks ({age} ago),"
                      f" resumed from step {progress['resumed_from_step']}")
     last = report.get("last_reform")
     if last:
         head = (f"  last re-form: #{last['generation']} {last['cause']} "
-                f"({'planned' if last['planned'] else 'unplanned'}) {last['world_size_before']} -> "
-                f"{last['world_size_after']} nodes, {last['phase']}")
+                f"({'planned' if last['planned'] else 'unplanned'}) {last['node_count_before']} -> "
+                f"{last['node_count_after']} nodes, {last['phase']}")
         if last["phase"] == ReformPhase.DONE:
             head += f", {last['outcome']} in {last['duration_s']}s, lost steps {last['lost_steps']}"
         lines.append(head)

@@ -322,7 +322,8 @@ class JobStatus(Record):
     state: str
     """healthy, reforming, waiting, stalled, bad-config or finished (the rendezvous is closed)."""
     reason: str
-    world_size: int
+    node_count: int
+    """Nodes in the job's current round."""
     min_nodes: int = 0
     max_nodes: int = 0
     nodes: list[str] = field(default_factory=list)

@@ -27,13 +27,13 @@ def write_status(
     min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
     old = s.status
     # The reason alone changing (counts, phases) is not worth a write per decision.
-    if old is None or (old.state, old.world_size, old.min_nodes, old.max_nodes, old.nodes, old.alerts) != (
+    if old is None or (old.state, old.node_count, old.min_nodes, old.max_nodes, old.nodes, old.alerts) != (
         state, len(nodes), min_nodes, max_nodes, nodes, alerts
     ):
         status = JobStatus(
             state=state,
             reason=reason,
-            world_size=len(nodes),
+            node_count=len(nodes),
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             nodes=nodes,

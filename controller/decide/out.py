@@ -26,14 +26,14 @@ class Out:
         """Whether this decision writes a plan, i.e. starts a re-form."""
         return any(isinstance(a, WritePlan) for a in self.actions)
 
-    def decision(self, reason: str, world_size: int, config: JobConfig | None, alerts: Alerts) -> Decision:
+    def decision(self, reason: str, node_count: int, config: JobConfig | None, alerts: Alerts) -> Decision:
         """The collected actions as the ``Decision`` for the job."""
         requeue = timedelta(seconds=min(self.requeue)) if self.requeue else None
         return Decision(
             actions=tuple(self.actions),
             reason=reason,
             requeue_after=requeue,
-            world_size=world_size,
+            node_count=node_count,
             min_nodes=config.min_nodes if config else 0,
             max_nodes=config.max_nodes if config else 0,
             alerts=alerts,

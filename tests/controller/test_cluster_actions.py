@@ -36,7 +36,7 @@ async def test_restart_storm_cordons_exactly_once_and_deletes_the_pod(cluster, k
     nodes = [f"n{i}" for i in range(1, 5)]
     await cluster.job(JOB, nodes, notes(1, 4, restart_storm="3/10m"))
     async with controller(kube_api, kubeconfig, etcd_settings) as (metrics, _):
-        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.world_size == 4)
+        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.node_count == 4)
         # Container restarts (pod restartCount) and rank restarts (member records) both count.
         restart(kube_api, f"{JOB}-n2", 1)
         await cluster.member(JOB, "n2", 1, restarts=2)
@@ -62,7 +62,7 @@ async def test_cordon_budget_caps_cordons(cluster, kube_api, kubeconfig, etcd_se
     # 4 nodes host regroup pods: the budget is max(1, 10%) = 1 node.
     await cluster.job(JOB, ["n1", "n2", "n3", "n4"], notes(1, 4, restart_storm="2/10m"))
     async with controller(kube_api, kubeconfig, etcd_settings) as (metrics, _):
-        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.world_size == 4)
+        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.node_count == 4)
         await cluster.member(JOB, "n1", 1, restarts=2)
         await kube_api.wait_for(lambda api: api.get("Node", "n1")["spec"].get("unschedulable"))
         await cluster.member(JOB, "n3", 1, restarts=2)

@@ -324,7 +324,7 @@ def test_plan_and_status_records_roundtrip_and_encode_like_asdict() -> None:
     plan = ReformPlan(generation=3, cause="reclaim", planned=True, phase="done", reason="r", nodes_before=["a", "b"],
                       nodes_after=["a"], trace_id="ab" * 16, detected_at=1.5, decided_at=2.5, mode="restart",
                       resume_phases={"startup": 4.0, "process_group": 0.5, "load": 2.0, "first_step": 0.25})
-    status = JobStatus(state="stalled", reason="x", world_size=1, nodes=["a"], alerts=["rendezvous-flapping"])
+    status = JobStatus(state="stalled", reason="x", node_count=1, nodes=["a"], alerts=["rendezvous-flapping"])
     progress = Progress(step=7, loss=0.5, samples_seen=70, world_size=4, time=3.0, extra={"lr": [0.1, 0.2]})
     for record in (plan, status, progress):
         assert record.to_json() == record_json(record)

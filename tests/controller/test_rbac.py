@@ -26,7 +26,7 @@ async def test_every_verb_the_controller_uses_is_granted_and_needed(kube_api, ku
     # Leader election, list+watch, a restart storm: cordon (get, patch), pod delete, Events.
     async with replica(kube_api, kubeconfig, etcd_settings, fast_settings("ctl-rbac")) as (elector, _, _):
         await until(lambda: elector.leading)
-        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.world_size == 3)
+        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.node_count == 3)
         await cluster.member(JOB, "n2", 1, restarts=2)
         await kube_api.wait_for(lambda api: api.get("Pod", f"{JOB}-n2", NS) is None)
         await cluster.wait_record(KEYS.reform, ReformRequest, lambda r: r.cause == "restart-storm")

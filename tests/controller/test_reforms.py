@@ -53,7 +53,7 @@ async def test_planned_shrink_checkpoints_first_and_the_ack_gates_the_reform(clu
         plan = await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "done")
         assert plan.outcome == "completed" and plan.planned and plan.lost_steps == 0 and plan.mode == "in-place"
         await until(lambda: sample(metrics, "regroup_reforms_total", namespace=NS, job=JOB, cause="reclaim", planned="true") == 1)
-        assert sample(metrics, "regroup_world_size", namespace=NS, job=JOB) == 2
+        assert sample(metrics, "regroup_job_nodes", namespace=NS, job=JOB) == 2
 
     finished = {s.name: s for s in spans.get_finished_spans()}
     assert set(finished) == {"regroup.reform", "regroup.detect", "regroup.checkpoint", "regroup.rendezvous", "regroup.resume",
@@ -65,8 +65,8 @@ async def test_planned_shrink_checkpoints_first_and_the_ack_gates_the_reform(clu
         assert child.parent.span_id == root.context.span_id and child.context.trace_id == root.context.trace_id
         assert root.start_time <= child.start_time <= child.end_time <= root.end_time
     expected_attributes = {
-        "regroup.job": JOB, "regroup.cause": "reclaim", "regroup.world_size.before": 3,
-        "regroup.world_size.after": 2, "regroup.planned": True, "regroup.lost_steps": 0, "regroup.reform.mode": "in-place",
+        "regroup.job": JOB, "regroup.cause": "reclaim", "regroup.node_count.before": 3,
+        "regroup.node_count.after": 2, "regroup.planned": True, "regroup.lost_steps": 0, "regroup.reform.mode": "in-place",
     }
     assert {k: root.attributes[k] for k in expected_attributes} == expected_attributes
     # The trainers were told to parent their checkpoint spans on the checkpoint span.
@@ -109,7 +109,7 @@ async def test_unplanned_loss_requests_a_reform_at_once(loss, cluster, kube_api,
     cluster.add_pod(JOB, "n3", notes(1, 4))
     async with controller(kube_api, kubeconfig, etcd_settings):
         await cluster.wait_record(KEYS.status, __import__("regroup.records", fromlist=["JobStatus"]).JobStatus,
-                                  lambda s: s.world_size == 3)
+                                  lambda s: s.node_count == 3)
         lost_at = time.time()
         if loss == "pod-deleted":
             kube_api.delete("Pod", f"{JOB}-n3", namespace=NS)

@@ -72,7 +72,7 @@ async def test_dropped_watch_and_410_gone_relist_without_missing_a_taint(cluster
 async def test_etcd_restart_is_ridden_out(cluster, kube_api, kubeconfig, etcd, etcd_settings) -> None:
     await cluster.job(JOB, ["n1", "n2"], notes(1, 4))
     async with controller(kube_api, kubeconfig, etcd_settings) as (metrics, _):
-        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.world_size == 2)
+        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.node_count == 2)
         etcd.restart()
         await until(lambda: sample(metrics, "regroup_watch_restarts_total", source="etcd") >= 1)
         kube_api.delete("Pod", f"{JOB}-n2", namespace=NS)
@@ -133,9 +133,9 @@ async def test_status_shows_members_progress_and_the_last_reform(cluster, kube_a
         await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "resume")
         await cluster.progress(JOB, 9, 4, resumed_from=8)
         await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "done")
-        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.state == "healthy" and s.world_size == 2)
+        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.state == "healthy" and s.node_count == 2)
     report = await job_status(KEYS, etcd_settings)
-    assert report["state"] == "healthy" and report["world_size"] == 2
+    assert report["state"] == "healthy" and report["node_count"] == 2
     assert [m["node"] for m in report["members"]] == ["n1", "n2"]
     last = report["last_reform"]
     assert last["cause"] == "node-lost" and last["outcome"] == "completed" and last["lost_steps"] == 2
@@ -158,14 +158,14 @@ async def test_http_serves_metrics_and_probes(cluster, kube_api, kubeconfig, etc
     settings = replace_settings(fast_settings(), http_port=port, http_host="127.0.0.1")
     await cluster.job(JOB, ["n1", "n2"], notes(1, 4))
     async with controller(kube_api, kubeconfig, etcd_settings, settings):
-        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.world_size == 2)
+        await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.node_count == 2)
         async with aiohttp.ClientSession() as http:
             for probe in ("healthz", "readyz"):
                 async with http.get(f"http://127.0.0.1:{port}/{probe}") as response:
                     assert response.status == 200
             async with http.get(f"http://127.0.0.1:{port}/metrics") as response:
                 body = await response.text()
-    assert f'regroup_world_size{{job="{JOB}",namespace="{NS}"}} 2.0' in body
+    assert f'regroup_job_nodes{{job="{JOB}",namespace="{NS}"}} 2.0' in body
     assert "regroup_reform_duration_seconds" in body and "regroup_leader" in body
 
 

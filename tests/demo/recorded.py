@@ -30,8 +30,8 @@ def write_reform_spans(path: Path, reforms: list[dict[str, Any]]) -> None:
         attributes = {
             "regroup.job": "demo",
             "regroup.cause": r["cause"],
-            "regroup.world_size.before": r["before"],
-            "regroup.world_size.after": r["after"],
+            "regroup.node_count.before": r["before"],
+            "regroup.node_count.after": r["after"],
             "regroup.planned": r["planned"],
             "regroup.lost_steps": r["lost"],
         }

@@ -51,7 +51,7 @@ def test_the_phase_follows_the_plan_then_progress() -> None:
     view.plan = _plan("rendezvous")
     assert phase_of(view, now=100.0) == "re-forming (reclaim, planned): rendezvous"
     view.plan = _plan("done")
-    view.status = JobStatus(state="stalled", reason="1 nodes, below min 2", world_size=1)
+    view.status = JobStatus(state="stalled", reason="1 nodes, below min 2", node_count=1)
     assert phase_of(view, now=100.0) == "stalled: 1 nodes, below min 2"
 
 

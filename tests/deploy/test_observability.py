@@ -21,7 +21,7 @@ COUNTERS = {
     "regroup_rendezvous_rounds_total", "regroup_watch_restarts_total", "regroup_reforms_abandoned_total",
 }
 GAUGES = {
-    "regroup_world_size", "regroup_job_min_nodes", "regroup_job_max_nodes", "regroup_job_stalled",
+    "regroup_job_nodes", "regroup_job_min_nodes", "regroup_job_max_nodes", "regroup_job_stalled",
     "regroup_cordoned_nodes", "regroup_rendezvous_flapping", "regroup_rendezvous_pod_on_gpu_node",
     "regroup_bad_config", "regroup_leader",
 }
@@ -36,7 +36,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "regroup_reform_phase_duration_seconds": ("cause", "phase"),
     "regroup_reforms": ("namespace", "job", "cause", "planned"),
     "regroup_reforms_abandoned": ("namespace", "job", "cause", "phase", "outcome"),
-    "regroup_world_size": ("namespace", "job"),
+    "regroup_job_nodes": ("namespace", "job"),
     "regroup_job_min_nodes": ("namespace", "job"),
     "regroup_job_max_nodes": ("namespace", "job"),
     "regroup_job_stalled": ("namespace", "job"),
@@ -94,7 +94,7 @@ def unknown_series(exprs: list[str]) -> set[str]:
 
 
 def test_metric_check_catches_a_misspelt_series() -> None:
-    assert unknown_series(["sum(regroup_world_sizes)", "rate(regroup_reforms_total[5m])"]) == {"regroup_world_sizes"}
+    assert unknown_series(["sum(regroup_job_nodess)", "rate(regroup_reforms_total[5m])"]) == {"regroup_job_nodess"}
     # A histogram is queried through its series, never by its bare name.
     assert unknown_series(["regroup_reform_duration_seconds"]) == {"regroup_reform_duration_seconds"}
 
@@ -162,10 +162,10 @@ def test_dashboard_shows_what_the_platform_team_reads() -> None:
             rf"histogram_quantile\({quantile}, sum by \(le, cause\) \(rate\(regroup_reform_duration_seconds_bucket", joined
         ), quantile
     assert "sum by (phase) (rate(regroup_reform_phase_duration_seconds_sum" in joined
-    for series in ("regroup_world_size", "regroup_lost_steps_total", "regroup_cordoned_nodes", "regroup_job_stalled"):
+    for series in ("regroup_job_nodes", "regroup_lost_steps_total", "regroup_cordoned_nodes", "regroup_job_stalled"):
         assert series in joined, series
     titles = {panel["title"] for panel in _dashboard()["panels"]}
-    assert {"Re-form latency p50 / p95 by cause", "World size per job (nodes)", "Cordoned nodes"} <= titles
+    assert {"Re-form latency p50 / p95 by cause", "Nodes per job", "Cordoned nodes"} <= titles
 
 
 def test_dashboard_panels_do_not_overlap() -> None:
