@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from controller.cluster import ClusterActuator
+from controller.cluster import ClusterActuator, ObjectRef
 from controller.decide import decide, summarize
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
@@ -29,6 +29,7 @@ from controller.snapshot import (
     Decision,
     DeletePod,
     PostEvent,
+    PostPodEvents,
     WriteCheckpointRequest,
     WriteExclusions,
     WriteExpected,
@@ -144,9 +145,18 @@ class Reconciler:
     # --- actions ---------------------------------------------------------------------
 
     async def _apply(self, job: JobId, action: Action, now: float) -> None:
+        if type(action) is PostPodEvents:
+            # The most frequent kind of action: a finished re-form tells each of the job's
+            # pods. Remembered once for the job, not once per pod.
+            if self._remember(("Pods", job[0], job[1], action.reason, action.message), now):
+                for pod in action.pods:
+                    ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)
+                    await self.actuator.post_event(ref, action.type_, action.reason, action.message)
+            return
         if type(action) is PostEvent:
-            # The most frequent action (a finished re-form tells each of the job's pods).
-            await self._post_event(action, now)
+            ref = action.ref
+            if self._remember((ref.kind, ref.namespace, ref.name, action.reason, action.message), now):
+                await self.actuator.post_event(ref, action.type_, action.reason, action.message)
             return
         keys = self._job_keys.get(job)
         if keys is None:
@@ -225,24 +235,24 @@ class Reconciler:
             self.model.cordoned.add(action.node)
             self.metrics.cordons.labels(ReformCause.RESTART_STORM.value).inc()
 
-    async def _post_event(self, action: PostEvent, now: float) -> None:
-        ref = action.ref
-        key = (ref.kind, ref.namespace, ref.name, action.reason, action.message)
+    def _remember(self, key: tuple[str, ...], now: float) -> bool:
+        """Whether the Event ``key`` names is due (not posted within ``EVENT_MEMORY``); a
+        due one is remembered from ``now``."""
         memory = EVENT_MEMORY.total_seconds()
-        last = self._events.get(key)
+        events = self._events
+        last = events.get(key)
         if last is not None and now - last < memory:
-            return
+            return False
         # Oldest first (a re-posted key moves to the end): forgetting expired Events pops
         # from the front, never rescans the ones still remembered.
-        events = self._events
         while events:
             oldest = next(iter(events))
             if now - events[oldest] < memory:
                 break
             del events[oldest]
-        await self.actuator.post_event(ref, action.type_, action.reason, action.message)
         events[key] = now
         events.move_to_end(key)
+        return True
 
     # --- metrics ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ see the controller gone at once and handle joins themselves again.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -142,6 +143,16 @@ async def _keep_presence_lease(
             await keeper.stop(revoke=True)
 
 
+def freeze_listed_heap() -> None:
+    """Move everything allocated so far out of the cyclic garbage collector's sight.
+
+    Once the initial lists are in, the heap is mostly the fleet's nodes, pods and records,
+    which live as long as the process; every full collection would walk them all again,
+    stalling each decision queued behind it (tens of milliseconds at 10,000 pods). What is
+    frozen is still freed by reference counting when the model drops it."""
+    gc.freeze()
+
+
 async def run_controller(
     settings: ControllerSettings,
     source: ClusterSource,
@@ -196,6 +207,7 @@ async def run_controller(
                 tasks.create_task(loop.worker(), name=f"reconcile-{i}")
             tasks.create_task(loop.resync(settings.runtime.resync), name="resync")
             await synced.wait()
+            freeze_listed_heap()
             log.info("controller ready", jobs=len(model.jobs), nodes=len(model.nodes), identity=settings.runtime.identity)
             if ready is not None:
                 ready.set()

@@ -171,6 +171,17 @@ class PostEvent:
     message: str
 
 
+@dataclass(frozen=True)
+class PostPodEvents:
+    """The same Event on each of ``pods``: how the end of a re-form is told on every pod
+    of the job (one action, not one per pod: a storm ends many re-forms)."""
+
+    pods: tuple[PodInfo, ...]
+    type_: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
 Action = (
     WritePlan
     | WriteCheckpointRequest
@@ -181,6 +192,7 @@ Action = (
     | Cordon
     | DeletePod
     | PostEvent
+    | PostPodEvents
 )
 
 

@@ -19,8 +19,7 @@ async def direct_harness(layout: Layout, workers: int) -> Harness:
     h.model.pods_listed([pod_info(layout, j, n) for j, n in layout.placements()])
     h.seed_etcd(layout)
     h.start()
-    await h.drained()
-    h.reset()
+    await h.settled()
     return h
 
 

@@ -21,7 +21,7 @@ from controller.cluster import ObjectRef
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
 from controller.reconciler import Outcome, Reconciler
-from controller.runtime import ReconcileLoop
+from controller.runtime import ReconcileLoop, freeze_listed_heap
 from controller.settings import ControllerSettings
 from controller.workqueue import WorkQueue
 from regroup.keys import JobKeys
@@ -94,6 +94,13 @@ class Harness:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.queue.close()
+
+    async def settled(self) -> None:
+        """The initial lists decided: the heap frozen as the controller freezes it once
+        synced, and the counters zeroed."""
+        await self.drained()
+        freeze_listed_heap()
+        self.reset()
 
     async def drained(self) -> None:
         while len(self.queue) or self.queue._active:

@@ -126,8 +126,7 @@ async def watched(layout: Layout, workers: int) -> AsyncIterator[tuple[Any, Harn
             while not (h.model.nodes_synced and h.model.pods_synced and api.open_watches() == 2):
                 await asyncio.sleep(0.005)
             list_seconds = time.perf_counter() - listed_at
-            await h.drained()
-            h.reset()
+            await h.settled()
             yield api, h, sink, list_seconds
         finally:
             source_task.cancel()

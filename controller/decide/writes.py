@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from controller.cluster import ObjectRef
 from controller.decide.out import Out
 from controller.reform_summary import resize_message
-from controller.snapshot import JobSnapshot, PostEvent, WriteExpected, WritePlan, WriteReform
+from controller.snapshot import JobSnapshot, PostPodEvents, WriteExpected, WritePlan, WriteReform
 from controller.trace_ids import traceparent
 from regroup.records import (
     CheckpointRequest,
@@ -79,14 +78,9 @@ def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome,
     done = dataclasses.replace(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
     if outcome == ReformOutcome.COMPLETED:
-        message = resize_message(done)
-        for pod in s.pods:
-            out.actions.append(PostEvent(ObjectRef("Pod", pod.name, pod.namespace, pod.uid), "Normal", "Resized", message))
+        out.actions.append(PostPodEvents(s.pods, "Normal", "Resized", resize_message(done)))
     else:
         what = f"re-form {plan.generation} ({plan.cause.value}, phase {plan.phase.value})"
-        message = f"{what} abandoned, {outcome.value}: {why}"
-        for pod in s.pods:
-            ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)
-            out.actions.append(PostEvent(ref, "Warning", "ReformAbandoned", message))
+        out.actions.append(PostPodEvents(s.pods, "Warning", "ReformAbandoned", f"{what} abandoned, {outcome.value}: {why}"))
         out.again_in(0)
     return f"re-form {plan.generation} {outcome.value}: {why}"

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from controller.cluster import NodeInfo
 from controller.settings import ControllerSettings
-from controller.snapshot import PostEvent, WriteCheckpointRequest, WriteExclusions, WritePlan
+from controller.snapshot import PostPodEvents, WriteCheckpointRequest, WriteExclusions, WritePlan
 
 from .builders import T0, acked, decide, job, member, of, with_taint
 from .builders import step as reconcile
@@ -47,9 +47,9 @@ def test_a_round_of_other_nodes_than_planned_abandons_the_plan_and_decides_again
     s, d = step(_round(s, 2, ["n1", "n2", "n3"]), T0 + 3)
     assert s.plan.phase == "done" and s.plan.outcome == "superseded"
     assert s.plan.why == "round 2 formed with n1, n2, n3, not the planned n1, n3"
-    events = [e for e in of(d.actions, PostEvent) if e.reason == "ReformAbandoned"]
-    assert sorted(e.ref.name for e in events) == ["llama-n1", "llama-n2", "llama-n3"]
-    assert all(e.type_ == "Warning" and "phase rendezvous" in e.message for e in events)
+    [events] = [e for e in of(d.actions, PostPodEvents) if e.reason == "ReformAbandoned"]
+    assert sorted(pod.name for pod in events.pods) == ["llama-n1", "llama-n2", "llama-n3"]
+    assert events.type_ == "Warning" and "phase rendezvous" in events.message
     assert d.requeue_after == timedelta(0)
     # Decided afresh at once: n2 still carries its notice, so a new planned shrink starts.
     s, d = step(s, T0 + 3)
@@ -62,7 +62,7 @@ def test_the_planned_round_completes_the_rendezvous_phase_as_before() -> None:
     s = _shrink_in_rendezvous()
     s, d = step(_round(s, 2, ["n1", "n3"]), T0 + 3)
     assert s.plan.phase == "resume" and s.plan.round_after == 2
-    assert not [e for e in of(d.actions, PostEvent) if e.reason == "ReformAbandoned"]
+    assert not [e for e in of(d.actions, PostPodEvents) if e.reason == "ReformAbandoned"]
 
 
 def test_a_newer_round_of_other_nodes_before_the_trainer_resumed_abandons_the_plan() -> None:
@@ -84,7 +84,8 @@ def test_every_phase_ends_by_its_deadline() -> None:
     assert s.plan.phase == "rendezvous" and s.plan.fallback
     s, d = step(s, T0 + 1 + deadline - T0 + S.reform.rendezvous_timeout.total_seconds())
     assert s.plan.outcome == "timeout" and s.plan.why == "expected members did not all join the new round"
-    assert [e.reason for e in of(d.actions, PostEvent)].count("ReformAbandoned") == 3
+    [events] = [e for e in of(d.actions, PostPodEvents) if e.reason == "ReformAbandoned"]
+    assert len(events.pods) == 3
 
 
 def test_a_leaving_node_is_excluded_until_its_taint_lifts() -> None:

@@ -363,16 +363,16 @@ async def test_the_same_event_is_posted_once_per_memory_and_expired_ones_are_for
                             ControllerMetrics())
     memory = EVENT_MEMORY.total_seconds()
 
-    def event(message: str) -> PostEvent:
-        return PostEvent(ObjectRef("Pod", "p", NS), "Normal", "Test", message)
+    async def post(message: str, now: float) -> None:
+        await reconciler._apply((NS, "job"), PostEvent(ObjectRef("Pod", "p", NS), "Normal", "Test", message), now)
 
-    await reconciler._post_event(event("a"), T0)
-    await reconciler._post_event(event("a"), T0 + memory - 1)
+    await post("a", T0)
+    await post("a", T0 + memory - 1)
     assert recorder.posted == ["a"]
     for i in range(1, 50):
-        await reconciler._post_event(event(f"b{i}"), T0 + i)
-    await reconciler._post_event(event("a"), T0 + memory)
+        await post(f"b{i}", T0 + i)
+    await post("a", T0 + memory)
     assert recorder.posted[-1] == "a" and len(recorder.posted) == 51
     # Once every other Event's memory has passed, only the one posted last is remembered.
-    await reconciler._post_event(event("c"), T0 + 2 * memory)
+    await post("c", T0 + 2 * memory)
     assert list(reconciler._events) == [("Pod", NS, "p", "Test", "c")]

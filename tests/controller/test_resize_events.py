@@ -8,7 +8,7 @@ import pytest
 
 from controller.reform_summary import resize_message
 from controller.settings import ControllerSettings
-from controller.snapshot import PostEvent
+from controller.snapshot import PostPodEvents
 from regroup.records import Progress, ReformPlan
 
 from .builders import JOB, T0, applied, decide, job, member
@@ -46,7 +46,7 @@ def test_the_resize_message_says_sizes_cause_nodes_lost_steps_and_duration(plan:
 def test_a_completed_reform_posts_resized_on_every_pod_and_only_then() -> None:
     s = job(step=230).without_member("n3")
     d = decide(s, T0, S)
-    assert not [a for a in d.actions if isinstance(a, PostEvent) and a.reason == "Resized"]
+    assert not [a for a in d.actions if isinstance(a, PostPodEvents) and a.reason == "Resized"]
     s = applied(s, d.actions, T0)
     s = s.with_members(member(n, 2) for n in ("n1", "n2"))
     s = applied(s, decide(s, T0 + 1, S).actions, T0 + 1)
@@ -55,7 +55,7 @@ def test_a_completed_reform_posts_resized_on_every_pod_and_only_then() -> None:
         Progress(step=229, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2.5, resumed_from_step=228), 50
     )
     d = decide(s, T0 + 2.5, S)
-    events = [a for a in d.actions if isinstance(a, PostEvent) and a.reason == "Resized"]
-    assert {e.ref.name for e in events} == {f"{JOB}-{n}" for n in ("n1", "n2", "n3")}
-    assert {(e.type_, e.message) for e in events} == {("Normal", "3 → 2 nodes: loss of n3, 2 steps lost, 2.5 s")}
+    [events] = [a for a in d.actions if isinstance(a, PostPodEvents) and a.reason == "Resized"]
+    assert {pod.name for pod in events.pods} == {f"{JOB}-{n}" for n in ("n1", "n2", "n3")}
+    assert (events.type_, events.message) == ("Normal", "3 → 2 nodes: loss of n3, 2 steps lost, 2.5 s")
 
