@@ -8,6 +8,7 @@ exactly the same code in both.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -77,6 +78,11 @@ class PodInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     disruption: PodDisruption | None = None
     """Set while the pod carries ``DisruptionTarget=True``."""
+
+    @functools.cached_property
+    def ref(self) -> ObjectRef:
+        """The pod as the subject of an Event (built once per observed version of the pod)."""
+        return ObjectRef("Pod", self.name, self.namespace, self.uid)
 
 
 @dataclass(frozen=True)

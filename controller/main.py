@@ -85,7 +85,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging()
+    configure_logging(once=True)
     provider = configure_tracing("regroup-controller")
 
     async def main() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from controller.cluster import ClusterActuator, ObjectRef
+from controller.cluster import ClusterActuator
 from controller.decide import decide, summarize
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
@@ -150,8 +150,7 @@ class Reconciler:
             # pods. Remembered once for the job, not once per pod.
             if self._remember(("Pods", job[0], job[1], action.reason, action.message), now):
                 for pod in action.pods:
-                    ref = ObjectRef("Pod", pod.name, pod.namespace, pod.uid)
-                    await self.actuator.post_event(ref, action.type_, action.reason, action.message)
+                    await self.actuator.post_event(pod.ref, action.type_, action.reason, action.message)
             return
         if type(action) is PostEvent:
             ref = action.ref

@@ -41,8 +41,12 @@ def _add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
-def configure_logging(level: str | None = None, stream: Any = None) -> None:
-    """structlog JSON to ``stream`` (stderr by default), one event per line."""
+def configure_logging(level: str | None = None, stream: Any = None, *, once: bool = False) -> None:
+    """structlog JSON to ``stream`` (stderr by default), one event per line.
+
+    ``once``: this process configures logging once and for all (the controller), so each
+    logger is built on first use and cached, instead of on every call (which a process that
+    reconfigures logging, e.g. for each local run, needs)."""
     level_name = (level or os.environ.get("REGROUP_LOG_LEVEL", "info")).upper()
     structlog.configure(
         processors=[
@@ -55,7 +59,7 @@ def configure_logging(level: str | None = None, stream: Any = None) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=once,
     )
 
 

@@ -32,7 +32,8 @@ def _one(args: argparse.Namespace) -> int:
     from regroup.telemetry import configure_logging
 
     # The storm makes the controller log thousands of cordons and re-forms; keep errors only.
-    configure_logging(os.environ.get("REGROUP_LOG_LEVEL", "error"))
+    # Logging is configured once, as the controller configures it.
+    configure_logging(os.environ.get("REGROUP_LOG_LEVEL", "error"), once=True)
     layout = Layout()
     if args.costs:
         from .costs import run_costs

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from controller.cluster import ObjectRef
 from controller.decide.alerts import flapping, rendezvous_on_gpu
 from controller.decide.health import assess, keep_exclusions, restart_storms, waiting_joiners, world_of
 from controller.decide.job_status import write_status
@@ -38,7 +37,7 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
     out = Out()
     resolved = s.resolved
     for problem in resolved.problems:
-        ref = ObjectRef("Pod", problem.pod.name, problem.pod.namespace, problem.pod.uid)
+        ref = problem.pod.ref
         out.actions.append(PostEvent(ref, "Warning", problem.kind, problem.message))
     if s.presence is None or s.presence.identity != s.identity:
         out.actions.append(WritePresence(ControllerPresence(identity=s.identity, since=now)))

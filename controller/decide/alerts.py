@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controller.cluster import ObjectRef, PodInfo
+from controller.cluster import PodInfo
 from controller.decide.out import Out
 from controller.settings import ControllerSettings
 from controller.snapshot import JobSnapshot, PostEvent
@@ -22,7 +22,7 @@ def rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: Out) -> bool
             alert = True
             out.actions.append(
                 PostEvent(
-                    ObjectRef("Pod", pod.name, pod.namespace, pod.uid),
+                    pod.ref,
                     "Warning",
                     "RendezvousOnGPUNode",
                     f"rendezvous pod {pod.name} runs on GPU node {pod.node}: a reclaim of that node takes the "
@@ -41,7 +41,7 @@ def flapping(s: JobSnapshot, now: float, settings: ControllerSettings, newest: P
     if newest is not None:
         out.actions.append(
             PostEvent(
-                ObjectRef("Pod", newest.name, newest.namespace, newest.uid),
+                newest.ref,
                 "Warning",
                 "RendezvousFlapping",
                 f"job {s.job}: {len(recent)} rendezvous rounds within {settings.reform.flapping_window}",

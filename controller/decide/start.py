@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
-from controller.cluster import ObjectRef, PodInfo
+from controller.cluster import PodInfo
 from controller.decide.health import joiner_seen
 from controller.decide.out import Out
 from controller.decide.situation import Situation
@@ -110,7 +110,7 @@ def _grow(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
 
 def _stall(s: JobSnapshot, out: Out, newest: PodInfo | None, why: str) -> tuple[str, bool]:
     if newest is not None:
-        ref = ObjectRef("Pod", newest.name, newest.namespace, newest.uid)
+        ref = newest.ref
         out.actions.append(PostEvent(ref, "Warning", "JobStalled", f"job {s.job} stalled: {why}"))
     return f"stalled: {why}", True
 
