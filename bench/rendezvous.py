@@ -46,7 +46,8 @@ from regroup.etcd import EtcdSettings, connect
 from demo.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import ExpectedMembership, ReformCause, ReformRequest
-from rendezvous.handler import EtcdV3RendezvousHandler, Shared
+from rendezvous.connection import Shared
+from rendezvous.handler import EtcdV3RendezvousHandler
 from rendezvous.settings import parse_settings
 
 BACKENDS = ("etcd-v3", "c10d", "etcd-v2")

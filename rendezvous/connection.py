@@ -1,20 +1,24 @@
 """One etcd client and one job mirror, opened with retries and clear errors.
 
 torchrun runs one agent per process, so each handler opens its own connection; the
-benchmark drives many agents in one process and shares one (``JobConnection.open`` is
-the same call either way).
+benchmark drives many agents in one process and shares one (``Shared``: a loop thread
+and a ``JobConnection``, opened the same way either way).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import structlog
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from regroup import etcd
+from regroup.etcd import LoopThread
 from regroup.keys import JobKeys
+from rendezvous.settings import RendezvousSettings
 from rendezvous.watch import JobWatch
 
 log = structlog.get_logger("rendezvous.connection")
@@ -53,6 +57,33 @@ class JobConnection:
     async def close(self) -> None:
         await self.watch.stop()
         await self.client.close()
+
+
+@dataclass
+class Shared:
+    """A loop thread and a job connection that several handlers of one process share."""
+
+    loop: LoopThread
+    connection: JobConnection
+
+    @classmethod
+    def open(cls, settings: RendezvousSettings) -> Shared:
+        loop = LoopThread(name=f"rdzv-{settings.job.job}")
+        try:
+            connection = loop.run(
+                JobConnection.open(settings.etcd, settings.job, settings.timeouts.join.total_seconds())
+            )
+        except BaseException:
+            loop.close()
+            raise
+        return cls(loop, connection)
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self.connection.close(), timedelta(seconds=5))
+        except (TimeoutError, *etcd.TRANSIENT_ERRORS) as exc:
+            log.info("etcd connection not closed cleanly; dropping it", error=str(exc))
+        self.loop.close()
 
 
 def _auth_message(settings: etcd.EtcdSettings, exc: Exception) -> str:

@@ -1,8 +1,9 @@
 """``EtcdV3RendezvousHandler``: torchrun's ``RendezvousHandler`` on the etcd v3 API.
 
 torchrun calls it from its (synchronous) agent; the etcd work runs on an asyncio loop
-in a thread. Decisions come from ``rendezvous.decisions`` (pure), the writes from
-``rendezvous.agent``, the view of the job from ``rendezvous.watch``.
+in a thread. Decisions come from ``rendezvous.decisions`` (pure), the join loop that
+applies them from ``rendezvous.joining``, the writes from ``rendezvous.agent``, the view
+of the job from ``rendezvous.watch``.
 
 Every round gets a fresh agent store in etcd (``rendezvous.store.RoundStore``), so no
 stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this one
@@ -11,50 +12,30 @@ stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this o
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import structlog
 from opentelemetry import trace
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 
-from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS, LoopThread
+from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
 from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
-from rendezvous.agent import AgentKeys, DuplicateNode
-from rendezvous.connection import JobConnection
-from rendezvous.decisions import (
-    round_abandoned,
-    usable_expected,
-    Bounds,
-    Closed,
-    CloseRound,
-    Conflict,
-    Done,
-    Excluded,
-    JobView,
-    PutJoin,
-    Wait,
-    count_waiting,
-    plan_join,
-)
+from rendezvous.agent import AgentKeys
+from rendezvous.connection import Shared
+from rendezvous.decisions import Bounds, JobView, count_waiting, round_abandoned, usable_expected
+from rendezvous.joining import ExcludedFromRound, JoinLoop
 from rendezvous.ports import master_port
 from rendezvous.settings import RendezvousSettings
 from rendezvous.store import RoundAbandoned, RoundStore, round_prefix
@@ -66,37 +47,6 @@ BACKEND_NAME = "etcd-v3"
 _STEPPED_OUT_S = 3600.0
 # How long a read of the round's store waits for its key.
 STORE_TIMEOUT = timedelta(seconds=60)
-
-
-class ExcludedFromRound(RendezvousGracefulExitError):
-    """The controller's expected membership left this node out; its agent exits cleanly."""
-
-
-@dataclass
-class Shared:
-    """A loop thread and a job connection that several handlers of one process share."""
-
-    loop: LoopThread
-    connection: JobConnection
-
-    @classmethod
-    def open(cls, settings: RendezvousSettings) -> Shared:
-        loop = LoopThread(name=f"rdzv-{settings.job.job}")
-        try:
-            connection = loop.run(
-                JobConnection.open(settings.etcd, settings.job, settings.timeouts.join.total_seconds())
-            )
-        except BaseException:
-            loop.close()
-            raise
-        return cls(loop, connection)
-
-    def close(self) -> None:
-        try:
-            self.loop.run(self.connection.close(), timedelta(seconds=5))
-        except (TimeoutError, *ETCD_ERRORS) as exc:
-            log.info("etcd connection not closed cleanly; dropping it", error=str(exc))
-        self.loop.close()
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -121,6 +71,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._shared = shared or Shared.open(settings)
         self._keys = AgentKeys(self._shared.connection, settings)
         self._bounds = Bounds(settings.min_nodes, settings.max_nodes, settings.timeouts.last_call.total_seconds())
+        self._joining = JoinLoop(settings, self._keys, self._shared.connection.watch, self._bounds)
         self._round = 0
         self._restart_count = 0
         self._restart_requested = False
@@ -128,16 +79,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # Workers (started after this, inheriting the environment) report why they failed here.
         self._failures = tempfile.mkdtemp(prefix=f"regroup-failures-{settings.identity.node}-")
         os.environ[FAILURE_DIR_ENV] = self._failures
-        self._last_reason = ""
-        self._waiting = ""
         self._traceparent = ""
         self._probation: timedelta | None = None
         self._stepped_out: bool | None = None
-        self._seat: int | None = None
-        """The round this agent's step-out join asked for: its place if that round counts it."""
-        self._alone = ""
-        """Why this agent leaves the job on its own (left out, excluded, refused): then
-        ``shutdown`` does not close the run for the others."""
         self._shutdown_result: bool | None = None
         self._shutdown_lock = threading.Lock()
         for note in settings.notes:
@@ -188,7 +132,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def waiting_for(self) -> str:
         """What this agent's rendezvous waits on right now, e.g. that its node is excluded
         ("" while it is not waiting)."""
-        return self._waiting
+        return self._joining.waiting
 
     def left_out(self) -> bool:
         """The controller's next expected membership leaves this node out (it is leaving)."""
@@ -204,9 +148,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys.not_before = time.time() + _STEPPED_OUT_S
         self._update_member()
         state = self.view.state
-        self._seat = (state.round if state else 0) + 1
+        self._joining.seat = (state.round if state else 0) + 1
         try:
-            self._shared.loop.run(self._keys.put_join(self._seat), self._settings.timeouts.close)
+            self._shared.loop.run(self._keys.put_join(self._joining.seat), self._settings.timeouts.close)
         except (TimeoutError, RuntimeError, *ETCD_ERRORS) as exc:
             log.warning("could not step out of the round; the others notice through the workers", error=str(exc))
 
@@ -342,7 +286,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Close the run: no more rounds; every agent's next rendezvous raises
         ``RendezvousClosedError``. Works before any round formed; idempotent."""
         try:
-            self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
+            self._shared.loop.run(self._joining.set_closed(), self._settings.timeouts.close)
         except TimeoutError:
             raise RendezvousTimeoutError(
                 f"rendezvous {self._settings.job.job}: not closed within close_timeout "
@@ -375,13 +319,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # Only a job that is over is closed: this agent's workers succeeded, or no round ever
         # formed. An agent that fails (its workers past --max-restarts, a store timeout) leaves
         # alone: closing would end an elastic job for every survivor and every later pod.
-        close = not self._alone and (finished or state is None or state.round == 0)
+        close = not self._joining.alone and (finished or state is None or state.round == 0)
         try:
             if close and not self.is_closed():
-                self._shared.loop.run(self._set_closed(), self._settings.timeouts.close)
+                self._shared.loop.run(self._joining.set_closed(), self._settings.timeouts.close)
                 log.info("rendezvous closed: the job is over", job=self._settings.job.job, node=self.node)
             elif not close:
-                log.info("leaving the job alone; the run stays open", node=self.node, why=self._alone or "its workers did not finish")
+                log.info("leaving the job alone; the run stays open", node=self.node, why=self._joining.alone or "its workers did not finish")
         except (TimeoutError, *ETCD_ERRORS) as exc:
             ok = False
             log.warning("closing the rendezvous failed", node=self.node, error=str(exc))
@@ -400,107 +344,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 flush(2000)
         return ok
 
-    # -- the join loop (on the handler's loop thread) ----------------------------------------
-
     async def _rendezvous(self) -> tuple[int, int, int]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._settings.timeouts.join.total_seconds()
-        watch = self._shared.connection.watch
-        joined_for: int | None = None
-        excluded_since: float | None = None
-        backoff = 0.05
-        while True:
-            try:
-                version = watch.version
-                step = plan_join(watch.view, self._keys.me, joined_for, time.time(), self._bounds, seat=self._seat)
-                self._note(step)
-                if isinstance(step, Done):
-                    self._seat = None
-                    self._round = step.round
-                    self._keys.update_member_soon(step.round, self._restart_count)
-                    return step.round, step.rank, step.world_size
-                if isinstance(step, PutJoin):
-                    self._seat = None  # the new record replaces the one left when stepping out
-                    if self._keys.registered:
-                        revision = await self._keys.put_join(step.round)
-                    else:
-                        try:
-                            await self._keys.claim_node(watch)
-                        except DuplicateNode as exc:
-                            self._alone = str(exc)
-                            raise
-                        revision = await self._keys.register(join_round=step.round)
-                    await watch.caught_up(revision, 2.0)
-                    joined_for = step.round
-                elif isinstance(step, CloseRound):
-                    won, revision = await self._keys.close_round(step)
-                    if won:
-                        log.info(
-                            "round closed",
-                            job=self._settings.job.job,
-                            round=step.state.round,
-                            reason=step.state.reason,
-                            nodes=step.state.nodes,
-                        )
-                    await watch.caught_up(revision, 2.0)
-                elif isinstance(step, Wait):
-                    remaining = deadline - loop.time()
-                    if step.excluded:
-                        self._alone = step.reason
-                        excluded_since = loop.time() if excluded_since is None else excluded_since
-                        limit = self._settings.timeouts.excluded.total_seconds()
-                        if loop.time() - excluded_since >= limit:
-                            raise RendezvousError(
-                                f"rendezvous {self._settings.job.job}: {step.reason}; still excluded after "
-                                f"excluded_timeout {limit:.0f}s, exiting so the pod's restart policy applies"
-                            )
-                        remaining = min(remaining, excluded_since + limit - loop.time())
-                    else:
-                        excluded_since, self._alone = None, ""
-                    if remaining <= 0:
-                        raise RendezvousTimeoutError(
-                            f"rendezvous {self._settings.job.job}: no round formed within join_timeout "
-                            f"{self._settings.timeouts.join.total_seconds():.0f}s ({step.reason})"
-                        )
-                    if step.until is not None:
-                        remaining = min(remaining, max(0.0, step.until - time.time()) + 0.01)
-                    await watch.changed(remaining, since=version)
-                elif isinstance(step, Excluded):
-                    self._alone = step.reason
-                    raise ExcludedFromRound(f"node {self.node}: {step.reason}")
-                elif isinstance(step, Closed):
-                    raise RendezvousClosedError(f"rendezvous {self._settings.job.job} is closed")
-                elif isinstance(step, Conflict):
-                    self._alone = step.reason
-                    raise RendezvousError(f"rdzv-id {self._settings.job.job}: {step.reason}")
-                backoff = 0.05
-            except ETCD_ERRORS as exc:
-                if loop.time() + backoff > deadline:
-                    raise RendezvousConnectionError(
-                        f"etcd at {self._settings.etcd.describe()} failed during rendezvous: {exc}"
-                    ) from exc
-                log.warning("etcd request failed during rendezvous; retrying", node=self.node, error=str(exc))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-
-    async def _set_closed(self) -> None:
-        watch = self._shared.connection.watch
-        while True:
-            view = watch.view
-            if view.state is not None and view.state.closed:
-                return
-            revision = await self._keys.mark_closed(view.state, view.state_revision)
-            if revision:
-                await watch.caught_up(revision, 2.0)
-                return
-            await watch.changed(0.5)
-
-    def _note(self, step: Any) -> None:
-        reason = getattr(step, "reason", "")
-        self._waiting = reason if isinstance(step, Wait) else ""
-        if isinstance(step, Wait) and reason != self._last_reason:
-            log.info("rendezvous waiting", job=self._settings.job.job, node=self.node, reason=reason)
-        self._last_reason = reason
+        done = await self._joining.join()
+        self._round = done.round
+        self._keys.update_member_soon(done.round, self._restart_count)
+        return done.round, done.rank, done.world_size
 
 
 def round_s(seconds: float) -> float:

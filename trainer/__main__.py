@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Imported after the config is known good: torch takes seconds to import.
-    from rendezvous.inplace.world import ElasticWorld, ReformFailed
+    from rendezvous.inplace.membership import ReformFailed
+    from rendezvous.inplace.world import ElasticWorld
     from trainer.control import JobChannel
     from trainer.distributed import backend_for, pick_device, runtime_on_default_group
     from trainer.loop import RunInfo, TrainingRun

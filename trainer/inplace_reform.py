@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rendezvous.inplace.world import Interrupted, Membership, ReformFailed
+from rendezvous.inplace.membership import Interrupted, Membership, ReformFailed
 from trainer.boundary import Boundary
 from trainer.distributed import Runtime, runtime_on_default_group
 from trainer.handoff import hand_off

@@ -48,7 +48,7 @@ from trainer.schedule import lr_at
 from trainer.snapshot import Snapshots
 from trainer.stopping import StopSignal, exit_code
 from trainer.world_change import WorldChange
-from rendezvous.inplace.world import Interrupted
+from rendezvous.inplace.membership import Interrupted
 
 if TYPE_CHECKING:
     from rendezvous.inplace.world import ElasticWorld

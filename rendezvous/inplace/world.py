@@ -34,12 +34,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import structlog
-import torch.distributed as dist
 
 from regroup.failures import PEER, failure_kind
 from rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
@@ -52,47 +50,12 @@ from rendezvous.inplace.channel import (
     report_name,
     write_atomically,
 )
+from rendezvous.inplace.formation import connect_store, init_default_group
+from rendezvous.inplace.membership import Interrupted, Membership, ReformFailed, Superseded
 
 log = structlog.get_logger("regroup.inplace.world")
 
 _POLL_S = 0.02
-_CONNECT_TRY = timedelta(seconds=2)
-"""One try at reaching a world's store; between tries, a newer world is looked for."""
-_MESH_TIMEOUT = timedelta(seconds=30)
-"""How long a world's process group may take to connect its ranks. gloo keeps retrying a
-failed formation's connections in the background for the group's timeout; with the
-collective timeout (10 min) there, one failed formation could hold up the next ones. The
-group gets the collective timeout once it has formed."""
-
-
-class Interrupted(Exception):
-    """The current world is being re-formed (or a peer vanished): leave and rejoin."""
-
-
-class Superseded(RuntimeError):
-    """The world being formed was replaced by a newer one before it started."""
-
-
-class ReformFailed(RuntimeError):
-    """This worker could not take part in the re-form in place; it should exit non-zero so
-    its agent restarts it (the restart path)."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    """The world this process runs in."""
-
-    round: int
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    group_rank: int = 0
-    group_world_size: int = 1
-    restart_count: int = 0
-    traceparent: str = ""
-    seq: int = 0
 
 
 class ElasticWorld:
@@ -253,29 +216,15 @@ class ElasticWorld:
 
     def _first_membership(self, stop: Callable[[], bool]) -> Membership:
         if self.channel is None:
-            return self._from_env()
+            return Membership.from_env(self._env, self.local_rank)
         if self.standby:
             # Started ahead of the rendezvous: the agent writes our world once the round forms.
             return self._await_world(lambda w: not w.pending, stop, self.timeout)
         current = self._file.poll() if self._file else None
         if current is None:
-            return self._from_env()
+            return Membership.from_env(self._env, self.local_rank)
         # The agent may have re-formed while this process started: its file is the newest word.
         return self._await_world(lambda w: not w.pending, stop, self.timeout)
-
-    def _from_env(self) -> Membership:
-        env = self._env
-        return Membership(
-            round=0,
-            rank=int(env.get("RANK", "0")),
-            world_size=int(env.get("WORLD_SIZE", "1")),
-            local_rank=self.local_rank,
-            master_addr=env.get("MASTER_ADDR", ""),
-            master_port=int(env.get("MASTER_PORT", "0") or 0),
-            group_rank=int(env.get("GROUP_RANK", "0")),
-            group_world_size=int(env.get("GROUP_WORLD_SIZE", "1")),
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        )
 
     def _await_world(
         self,
@@ -295,20 +244,7 @@ class ElasticWorld:
                 self._report("leaving", self.round)
                 raise ReformFailed("this node leaves the job")
             if world is not None and ready(world):
-                slot = world.slot(self.local_rank)
-                return Membership(
-                    round=world.round,
-                    rank=slot.rank,
-                    world_size=slot.world_size,
-                    local_rank=self.local_rank,
-                    master_addr=world.master_addr,
-                    master_port=world.master_port,
-                    group_rank=world.group_rank,
-                    group_world_size=world.group_world_size,
-                    restart_count=world.restart_count,
-                    traceparent=world.traceparent,
-                    seq=world.seq,
-                )
+                return Membership.from_world(world, self.local_rank)
             if stop():
                 raise ReformFailed("stopped while waiting for the next world")
             if time.monotonic() >= deadline:
@@ -346,20 +282,12 @@ class ElasticWorld:
             self._forming = membership
             self._forming_since = time.monotonic()
         try:
+            store = None
             if membership.master_addr:
-                store = self._store(membership, stop)
-                dist.init_process_group(
-                    self.backend,
-                    store=dist.PrefixStore("default_pg", store),  # as env:// would
-                    rank=membership.rank,
-                    world_size=membership.world_size,
-                    timeout=min(self.timeout, _MESH_TIMEOUT),
+                store = connect_store(
+                    membership, self.timeout, self.form_timeout, lambda: self._newer_than(membership) or stop()
                 )
-                dist.distributed_c10d._set_pg_timeout(self.timeout)
-            else:
-                dist.init_process_group(
-                    self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
-                )
+            init_default_group(self.backend, membership, store, self.timeout)
         except Exception as exc:
             if self._newer_than(membership):
                 abort_groups()
@@ -388,36 +316,6 @@ class ElasticWorld:
             world_size=membership.world_size,
             process_group_s=round(self.last_process_group_s, 3),
         )
-
-    def _store(self, membership: Membership, stop: Callable[[], bool]) -> dist.Store:
-        """The world's TCPStore (hosted by its rank 0). Connecting is retried in short tries,
-        so a newer world or a stop is noticed while rank 0 is not (or no longer) there."""
-        deadline = time.monotonic() + self.form_timeout.total_seconds()
-        tries = 0
-        while True:
-            tries += 1
-            try:
-                store = dist.TCPStore(
-                    membership.master_addr,
-                    membership.master_port,
-                    membership.world_size,
-                    membership.rank == 0,
-                    timeout=_CONNECT_TRY,
-                    wait_for_workers=False,
-                )
-            except (RuntimeError, dist.DistError) as exc:
-                if self._newer_than(membership) or stop():
-                    raise Superseded(f"could not reach the store of round {membership.round}: {exc}") from exc
-                if time.monotonic() >= deadline:
-                    raise ReformFailed(
-                        f"could not reach the store of round {membership.round} within {self.form_timeout}: {exc}"
-                    ) from exc
-                if tries in (1, 5) or tries % 30 == 0:
-                    log.warning("the world's store is not reachable yet; retrying", round=membership.round,
-                                rank=membership.rank, host_it=membership.rank == 0, tries=tries, error=str(exc)[:300])
-                continue
-            store.set_timeout(self.timeout)
-            return store
 
     def _newer_than(self, membership: Membership) -> bool:
         latest = self._file.poll() if self._file else None
@@ -475,6 +373,3 @@ class ElasticWorld:
         except OSError as exc:
             log.warning("could not write the worker report", error=str(exc))
 
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

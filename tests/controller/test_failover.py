@@ -23,7 +23,8 @@ from controller.settings import ControllerSettings, ReformSettings
 from controller.status import job_status, render
 from regroup.keys import JobKeys
 from regroup.records import CheckpointRequest, Exclusions, Progress, ReformPlan, ReformRequest, RoundState
-from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound
+from rendezvous.handler import EtcdV3RendezvousHandler
+from rendezvous.joining import ExcludedFromRound
 from rendezvous.settings import parse_settings
 from kubeapi import objects
 

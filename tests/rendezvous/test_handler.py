@@ -25,7 +25,8 @@ from regroup.etcd import EtcdSettings, connect, enable_auth
 from demo.etcd_server import EtcdServer, free_port, make_tls_files
 from regroup.keys import JobKeys
 from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
-from rendezvous.handler import EtcdV3RendezvousHandler, ExcludedFromRound
+from rendezvous.handler import EtcdV3RendezvousHandler
+from rendezvous.joining import ExcludedFromRound
 from rendezvous.settings import parse_settings
 from tests.rendezvous.agents import wait_until
 

@@ -1,0 +1,77 @@
+"""Creating one world's default process group: reach its store, then connect the ranks.
+
+Both steps are bounded so that ``ElasticWorld`` can notice a newer world (or a stop)
+while one forms, instead of waiting out the collective timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import structlog
+import torch.distributed as dist
+
+from rendezvous.inplace.membership import Membership, ReformFailed, Superseded
+
+log = structlog.get_logger("regroup.inplace.world")
+
+_CONNECT_TRY = timedelta(seconds=2)
+"""One try at reaching a world's store; between tries, a newer world is looked for."""
+_MESH_TIMEOUT = timedelta(seconds=30)
+"""How long a world's process group may take to connect its ranks. gloo keeps retrying a
+failed formation's connections in the background for the group's timeout; with the
+collective timeout (10 min) there, one failed formation could hold up the next ones. The
+group gets the collective timeout once it has formed."""
+
+
+def init_default_group(backend: str, membership: Membership, store: dist.Store | None, timeout: timedelta) -> None:
+    """Create the default process group of ``membership`` on ``store`` (a world of one
+    without an address: no store). Its collectives get ``timeout`` once it has formed."""
+    if store is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),  # as env:// would
+        rank=membership.rank,
+        world_size=membership.world_size,
+        timeout=min(timeout, _MESH_TIMEOUT),
+    )
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def connect_store(
+    membership: Membership, timeout: timedelta, form_timeout: timedelta, give_up: Callable[[], bool]
+) -> dist.Store:
+    """The world's TCPStore (hosted by its rank 0), with ``timeout`` for its reads.
+    Connecting is retried in short tries, so that ``give_up()`` (a newer world, a stop) is
+    noticed while rank 0 is not (or no longer) there: then ``Superseded``; after
+    ``form_timeout``, ``ReformFailed``."""
+    deadline = time.monotonic() + form_timeout.total_seconds()
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            store = dist.TCPStore(
+                membership.master_addr,
+                membership.master_port,
+                membership.world_size,
+                membership.rank == 0,
+                timeout=_CONNECT_TRY,
+                wait_for_workers=False,
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            if give_up():
+                raise Superseded(f"could not reach the store of round {membership.round}: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise ReformFailed(
+                    f"could not reach the store of round {membership.round} within {form_timeout}: {exc}"
+                ) from exc
+            if tries in (1, 5) or tries % 30 == 0:
+                log.warning("the world's store is not reachable yet; retrying", round=membership.round,
+                            rank=membership.rank, host_it=membership.rank == 0, tries=tries, error=str(exc)[:300])
+            continue
+        store.set_timeout(timeout)
+        return store

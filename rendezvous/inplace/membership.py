@@ -1,0 +1,76 @@
+"""The world a worker runs in (``Membership``), and why a worker leaves one.
+
+A worker learns its world from the environment torchrun set (plain torchrun, or the first
+world under ``regroup-run`` when the channel has none yet), or from its agent's
+``world.json`` (``rendezvous.inplace.channel``) for every world after that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rendezvous.inplace.channel import NodeWorld
+
+
+class Interrupted(Exception):
+    """The current world is being re-formed (or a peer vanished): leave and rejoin."""
+
+
+class Superseded(RuntimeError):
+    """The world being formed was replaced by a newer one before it started."""
+
+
+class ReformFailed(RuntimeError):
+    """This worker could not take part in the re-form in place; it should exit non-zero so
+    its agent restarts it (the restart path)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The world this process runs in."""
+
+    round: int
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    group_rank: int = 0
+    group_world_size: int = 1
+    restart_count: int = 0
+    traceparent: str = ""
+    seq: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], local_rank: int) -> Membership:
+        """The world torchrun started this worker in (round 0: not handed out by an agent)."""
+        return cls(
+            round=0,
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=local_rank,
+            master_addr=env.get("MASTER_ADDR", ""),
+            master_port=int(env.get("MASTER_PORT", "0") or 0),
+            group_rank=int(env.get("GROUP_RANK", "0")),
+            group_world_size=int(env.get("GROUP_WORLD_SIZE", "1")),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
+
+    @classmethod
+    def from_world(cls, world: NodeWorld, local_rank: int) -> Membership:
+        """Worker ``local_rank``'s place in the world its agent handed out."""
+        slot = world.slot(local_rank)
+        return cls(
+            round=world.round,
+            rank=slot.rank,
+            world_size=slot.world_size,
+            local_rank=local_rank,
+            master_addr=world.master_addr,
+            master_port=world.master_port,
+            group_rank=world.group_rank,
+            group_world_size=world.group_world_size,
+            restart_count=world.restart_count,
+            traceparent=world.traceparent,
+            seq=world.seq,
+        )
