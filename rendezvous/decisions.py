@@ -44,9 +44,26 @@ class JobView:
         return self._alive
 
     @cached_property
-    def memo(self) -> dict[Bounds, object]:
+    def memo(self) -> dict[object, object]:
         """Decisions derived from this view alone, computed once for all agents reading it."""
         return {}
+
+    @cached_property
+    def _ranks(self) -> dict[str, int]:
+        ranks: dict[str, int] = {}
+        for rank, agent in enumerate(self.state.agents if self.state else ()):
+            ranks.setdefault(agent, rank)
+        return ranks
+
+    def rank_of(self, agent: str) -> int | None:
+        """``agent``'s rank in the last formed round (None: not in it), found in a map
+        built once per view rather than a search of the round's agents per caller."""
+        return self._ranks.get(agent)
+
+    @cached_property
+    def on_probation(self) -> list[tuple[float, str]]:
+        """(not_before, agent) of the join records that ask not to be counted before a time."""
+        return [(j.not_before, j.agent) for j in self.joins.values() if j.not_before > 0]
 
     @cached_property
     def next_joiners(self) -> list[JoinRecord]:
@@ -144,7 +161,16 @@ def round_abandoned(view: JobView, round: int) -> str:
     """Why round ``round`` can no longer start ("" while it still can): a newer round
     formed, or an agent of the round is gone (its member key vanished with its lease),
     e.g. the node was deleted right after the round closed. Its peers must not wait for
-    that agent's ``MASTER_PORT`` until the store timeout."""
+    that agent's ``MASTER_PORT`` until the store timeout. Computed once per view: every
+    agent waiting on the round's store asks at every change of the job's keys."""
+    key = ("abandoned", round)
+    why = view.memo.get(key)
+    if why is None:
+        why = view.memo[key] = _abandoned(view, round)
+    return why  # type: ignore[return-value]
+
+
+def _abandoned(view: JobView, round: int) -> str:
     state = view.state
     if state is None or state.round != round:
         return f"round {round} superseded by round {state.round if state else 0}"
@@ -188,11 +214,11 @@ def plan_join(
         if me.agent in state.excluded:
             return Excluded(f"left out of round {current}: {state.reason}")
         if seat is not None and current == seat and me.node not in view.excluded:
-            rank = state.rank_of(me.agent)
+            rank = view.rank_of(me.agent)
             if rank is not None:
                 return Done(current, rank, len(state.agents))
         if joined_for is not None and current >= joined_for:
-            rank = state.rank_of(me.agent)
+            rank = view.rank_of(me.agent)
             if rank is not None and current == joined_for:
                 return Done(current, rank, len(state.agents))
             joined_for = None  # a round formed without this agent: ask for the next one
@@ -220,7 +246,7 @@ def plan_join(
 
 def benched(view: JobView, now: float) -> frozenset[str]:
     """Agents asking for the next round that are still on probation at ``now``."""
-    return frozenset(j.agent for j in view.joins.values() if j.not_before > now)
+    return frozenset(agent for not_before, agent in view.on_probation if not_before > now)
 
 
 def _joiners(view: JobView, target: int) -> list[JoinRecord]:

@@ -252,6 +252,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 break
             except RoundAbandoned as exc:
                 log.warning("round abandoned before it started; joining the next", round=number, reason=str(exc))
+            finally:
+                # Once the round's address is known: a member record written at once would
+                # reach every agent while all of them wait for that address.
+                self._update_member()
         self._store = store
         log.info(
             "rendezvous complete",
@@ -347,7 +351,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     async def _rendezvous(self) -> tuple[int, int, int]:
         done = await self._joining.join()
         self._round = done.round
-        self._keys.update_member_soon(done.round, self._restart_count)
         return done.round, done.rank, done.world_size
 
 
