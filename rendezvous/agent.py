@@ -18,7 +18,8 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from regroup import etcd
 from regroup.records import JoinRecord, MemberRecord, RoundState, agent_id
 from rendezvous.connection import JobConnection
-from rendezvous.decisions import CloseRound, Me
+from rendezvous.decisions import Me
+from rendezvous.join_steps import CloseRound
 from rendezvous.settings import RendezvousSettings
 from rendezvous.store import round_prefix
 from rendezvous.watch import JobWatch

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
+from rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, JoinStep, PutJoin, Wait
 
 CLOSE_GRACE_S = 5.0
 """How long the other agents give the new round's live rank 0 to close it before trying themselves."""
@@ -95,66 +96,6 @@ class Bounds:
     min_nodes: int
     max_nodes: int
     last_call_s: float
-
-
-# What plan_join answers -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Done:
-    """This agent is rank ``rank`` of round ``round``."""
-
-    round: int
-    rank: int
-    world_size: int
-
-
-@dataclass(frozen=True)
-class PutJoin:
-    """Write (or refresh) this agent's join record for ``round``."""
-
-    round: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class CloseRound:
-    """Compare-and-set ``rdzv/state`` from ``expected_revision`` to ``state``."""
-
-    state: RoundState
-    expected_revision: int
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing to do until the view changes or ``until`` (unix time) passes."""
-
-    reason: str
-    until: float | None = None
-    excluded: bool = False
-    """This agent's node is in ``control/excluded``: it waits for that to lift, not for peers."""
-
-
-@dataclass(frozen=True)
-class Excluded:
-    """The controller's expected membership left this agent out: leave cleanly."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Closed:
-    """The rendezvous is closed: the job is over."""
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """The job runs with other bounds than this agent's ``--nnodes``."""
-
-    reason: str
-
-
-JoinStep = Done | PutJoin | CloseRound | Wait | Excluded | Closed | Conflict
 
 
 def round_abandoned(view: JobView, round: int) -> str:

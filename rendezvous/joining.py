@@ -23,7 +23,8 @@ from torch.distributed.elastic.rendezvous import (
 
 from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
 from rendezvous.agent import AgentKeys, DuplicateNode
-from rendezvous.decisions import Bounds, Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait, plan_join
+from rendezvous.decisions import Bounds, plan_join
+from rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
 from rendezvous.settings import RendezvousSettings
 from rendezvous.watch import JobWatch
 
