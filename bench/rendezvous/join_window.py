@@ -64,14 +64,18 @@ def measure_window(
             time.sleep(max(0.0, started + window * (1 + k / max(1, late - 1)) - time.monotonic()))
             futures.append(fleet.pool.submit(agent, early + k))
         deadline = time.monotonic() + limit
-        failed = 0
+        errors: list[str] = []
         for future in futures:
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - a timeout or the backend's error: counted, not raised
-                failed += 1
-        if failed:
-            result.note = f"> {limit:.0f}s ({failed} of {n} not done)"
+            except Exception as exc:  # noqa: BLE001 - a timeout or the backend's error: counted, not raised
+                errors.append(f"{type(exc).__name__}: {exc}"[:160])
+        if errors:
+            # A future still running at the deadline raises TimeoutError; anything else is the backend's error.
+            failures = [e for e in errors if not e.startswith("TimeoutError")]
+            result.note = f"> {limit:.0f}s ({len(errors)} of {n} not done)"
+            if failures:
+                result.note += f"; {len(failures)} failed, first: {failures[0]}"
             return result
         last = max(called)
         waits = sorted(r - last for r in returned)
