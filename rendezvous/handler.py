@@ -213,7 +213,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 {
                     "regroup.round": self._round,
                     "regroup.rank": info.rank,
-                    "regroup.world_size": info.world_size,
+                    "regroup.node_count": info.world_size,
                     "regroup.restart_count": self._restart_count,
                 }
             )
@@ -234,7 +234,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         timeout = self._settings.timeouts.join + timedelta(seconds=5)
         started = time.monotonic()
         while True:
-            number, rank, world_size = self._join_round(timeout)
+            number, rank, node_count = self._join_round(timeout)
             prefix = round_prefix(self._settings.job.rdzv, number)
             store = RoundStore(
                 self._shared.loop,
@@ -263,11 +263,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             node=self.node,
             round=number,
             rank=rank,
-            world_size=world_size,
+            node_count=node_count,
             restart_count=self._restart_count,
             seconds=round_s(time.monotonic() - started),
         )
-        return RendezvousInfo(store, rank, world_size, bootstrap)
+        return RendezvousInfo(store, rank, node_count, bootstrap)
 
     def _join_round(self, timeout: timedelta) -> tuple[int, int, int]:
         try:
@@ -351,7 +351,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     async def _rendezvous(self) -> tuple[int, int, int]:
         done = await self._joining.join()
         self._round = done.round
-        return done.round, done.rank, done.world_size
+        return done.round, done.rank, done.node_count
 
 
 def round_s(seconds: float) -> float:

@@ -14,7 +14,8 @@ class Done:
 
     round: int
     rank: int
-    world_size: int
+    node_count: int
+    """Nodes in the round (torch's ``RendezvousInfo.world_size``)."""
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,17 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-GOALS = {"events_per_s>=5000": ("paced_achieved_per_s", lambda v: v >= 5000),
-         "p99_ms<=20": ("p99_ms", lambda v: v <= 20), "peak_rss_mb<=300": ("peak_rss_mb", lambda v: v <= 300)}
+GOALS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    # As fast as it is fed (the throughput run), and keeping up when offered 5,000/s (the
+    # paced run's achieved rate counts its drain, so "keeping up" allows 2% for it).
+    "events_per_s>=5000": lambda r: r["events_per_s"] >= 5000 and r["paced_achieved_per_s"] >= 0.98 * r["paced_rate"],
+    "p99_ms<=20": lambda r: r["p99_ms"] <= 20,
+    "peak_rss_mb<=300": lambda r: r["peak_rss_mb"] <= 300,
+}
 
 
 def run_paths(args: argparse.Namespace) -> int:
@@ -34,8 +40,7 @@ def run_paths(args: argparse.Namespace) -> int:
         "load_average": os.getloadavg(),
         "results": results,
         "http_vs_anchor": round(http["kube_events_per_s"] / anchor["kube_events_per_s"], 3),
-        "goals": {name: {path["path"]: check(path[field]) for path in (direct, http)}
-                  for name, (field, check) in GOALS.items()},
+        "goals": {name: {path["path"]: check(path) for path in (direct, http)} for name, check in GOALS.items()},
     }
     _print(results, report)
     if args.json:

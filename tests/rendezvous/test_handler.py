@@ -338,4 +338,4 @@ def test_an_agents_rendezvous_span_joins_the_trace_of_the_reform_request(etcd: E
     assert first.name == second.name == "regroup.rendezvous.join"
     assert first.parent is None
     assert f"{second.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
-    assert second.attributes["regroup.round"] == 2 and second.attributes["regroup.world_size"] == 1
+    assert second.attributes["regroup.round"] == 2 and second.attributes["regroup.node_count"] == 1
