@@ -74,7 +74,7 @@ class JobState:
         config or the suspects read; the storm rule reads ``restarts``, kept here)."""
         self.pods[pod.name] = pod
         self.pods_view = None
-        touched = old is None or not _restart_only(old, pod)
+        touched = old is None or not restart_only(old, pod)
         if touched:
             self.resolved = None
         previous = self.pod_restarts.get(pod.name, pod.restart_count if old is None else 0)
@@ -85,6 +85,15 @@ class JobState:
             self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
         self._track_disruption(old, pod, now)
         return touched
+
+    def storming(self, node: str, now: float) -> bool:
+        """Whether ``node`` has had the job's restart-storm count of restarts within its
+        window (the storm rule's condition); True while the job's config is not resolved."""
+        config = self.resolved.config if self.resolved is not None else None
+        if config is None:
+            return True
+        times, k = self.restarts.get(node), config.storm_restarts
+        return times is not None and len(times) >= k and times[-k] >= now - config.storm_window.total_seconds()
 
     def remove_pod(self, name: str, now: float) -> PodInfo | None:
         pod = self.pods.pop(name, None)
@@ -142,6 +151,6 @@ class JobState:
         self.first_seen[signal_key("", "progress")] = now
 
 
-def _restart_only(old: PodInfo, pod: PodInfo) -> bool:
-    """Whether ``pod`` differs from ``old`` in its restart count alone."""
-    return old.restart_count != pod.restart_count and old == replace(pod, restart_count=old.restart_count)
+def restart_only(old: PodInfo | records.MemberRecord, new: PodInfo | records.MemberRecord) -> bool:
+    """Whether ``new`` (a pod or a member record) differs from ``old`` in its restart count alone."""
+    return old.restart_count != new.restart_count and old == replace(new, restart_count=old.restart_count)

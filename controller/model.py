@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 from controller.cluster import NodeInfo, PodInfo
 from controller.fleet import Fleet, JobId
-from controller.job_state import JobState
+from controller.job_state import JobState, restart_only
 from controller.settings import JobDefaults
 from controller.snapshot import JobSnapshot
 from controller.snapshot_builder import build_snapshot
@@ -139,8 +139,11 @@ class ClusterModel:
         if old == pod:
             return
         self.fleet.pod_placed(key, job_id, old.node if old is not None else None, pod.node)
-        if state.put_pod(pod, old, self._clock()):
+        now = self._clock()
+        if state.put_pod(pod, old, now):
             refresh(state, self.fleet, state.nodes_naming(pod.name))
+        elif pod.node is not None and not state.storming(pod.node, now):
+            return  # a restart that leaves its node short of a restart storm: decide reads nothing else it changed
         self._on_dirty(job_id)
 
     def pod_deleted(self, namespace: str, name: str) -> None:
@@ -204,14 +207,16 @@ class ClusterModel:
     ) -> bool:
         if isinstance(record, MemberRecord):
             node = params["node"]
+            old = state.members.get(node)
             state.put_member(node, record, now)
             self.fleet.member_added(node, job_id)
             if state.round.member_put(node, record, state.members, state.plan, now):
                 state.suspects = None
-            else:
-                # Same round: the round's other nodes read nothing this member changed.
-                refresh(state, self.fleet, (node,))
-            return True
+                return True
+            # Same round: the round's other nodes read nothing this member changed, and a
+            # rank restart short of a restart storm changes nothing decide reads.
+            refresh(state, self.fleet, (node,))
+            return old is None or not restart_only(old, record) or state.storming(node, now)
         if isinstance(record, RoundState):
             changed, moved = state.round.formed(record, state.members, now)
             if moved:

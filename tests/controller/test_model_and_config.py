@@ -82,6 +82,23 @@ def test_restarts_count_from_member_records_and_pod_restart_counts() -> None:
     assert (NS, JOB) in dirty
 
 
+def test_a_restart_short_of_a_storm_wakes_no_decision_and_the_one_that_makes_it_does() -> None:
+    m, clock, dirty = model()
+    m.snapshot((NS, JOB))  # a decision resolved the job's config: K = 3 restarts within 10 minutes
+    dirty.clear()
+    clock.now += 5
+    m.pod_changed(pod("n2", restart_count=1))
+    m.etcd_put(KEYS.member("n2"), member("n2", 1, restarts=1).to_json(), 9)
+    assert dirty == [] and list(m.snapshot((NS, JOB)).restarts["n2"]) == [T0 + 5] * 2
+    # The third restart within the window is a storm: the rule must see it.
+    m.etcd_put(KEYS.member("n2"), member("n2", 1, restarts=2).to_json(), 10)
+    assert dirty == [(NS, JOB)]
+    # Anything besides the count still wakes the job, below the threshold or not.
+    dirty.clear()
+    m.pod_changed(pod("n3", restart_count=1, deleting=True))
+    assert dirty == [(NS, JOB)]
+
+
 def test_signals_are_stamped_when_first_seen_and_forgotten_when_gone() -> None:
     m, clock, _ = model()
     clock.now += 3
