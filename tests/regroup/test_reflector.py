@@ -197,6 +197,10 @@ async def test_cancelling_closes_the_watch_on_the_server(etcd, etcd_client) -> N
     before = server_watchers(etcd.url)
     task = asyncio.create_task(reflecting.run())
     await until_watchers(etcd.url, before + 1)
+    # A change delivered through it: the watch is open on this side too, not only on the
+    # server (a watch cancelled while aetcd still creates it is another case).
+    await etcd_client.put(b"/jobs/live", b"1")
+    await mirror.until(lambda: mirror.keys.get("/jobs/live") == b"1")
     await stop(task)
     await until_watchers(etcd.url, before)
 
