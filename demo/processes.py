@@ -5,6 +5,7 @@ Only processes this package started, and their descendants, are ever signalled."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -68,10 +69,8 @@ def signal_known(pids: dict[int, int], sig: int) -> None:
     for pid, started in pids.items():
         stat = _proc_stat(pid)
         if stat is not None and stat[1] == started:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it exited since the check
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 def kill_tree(root: int) -> dict[int, int]:
@@ -105,11 +104,10 @@ async def end_agent(process: asyncio.subprocess.Process, grace: timedelta) -> No
     # Snapshot the tree first: once the agent exits, its workers are no longer its children.
     tree = process_tree(process.pid)
     signal_known({process.pid: tree.get(process.pid, 0)} if process.pid in tree else {}, signal.SIGTERM)
-    try:  # asyncio.timeout, not wait_for: 3.11's wait_for can drop a cancellation (gh-86296)
+    # asyncio.timeout, not wait_for: 3.11's wait_for can drop a cancellation (gh-86296).
+    with contextlib.suppress(TimeoutError):  # past the grace, what is left is killed below
         async with asyncio.timeout(grace.total_seconds()):
             await process.wait()
-    except TimeoutError:
-        pass
     tree.update(process_tree(process.pid))
     signal_known(tree, signal.SIGKILL)
     await process.wait()
