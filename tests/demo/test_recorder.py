@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from demo.recorder import JobRecorder
-from regroup.etcd import TRANSIENT_ERRORS
 from regroup.keys import JobKey, JobKeys
 from regroup.records import MemberRecord, Progress
+from tests.etcd_helpers import put_retrying
 
 WAIT = 60.0
 KEYS = JobKeys("ns", "llama")
@@ -47,14 +47,6 @@ def lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-async def put_retrying(client: Any, key: str, value: bytes) -> None:
-    async with asyncio.timeout(WAIT):
-        while True:
-            try:
-                await client.put(key.encode(), value)
-                return
-            except TRANSIENT_ERRORS:
-                await asyncio.sleep(0.1)
 
 
 async def test_an_etcd_restart_records_what_changed_and_nothing_twice(tmp_path, etcd, etcd_settings, etcd_client) -> None:

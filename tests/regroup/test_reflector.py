@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from regroup.etcd import (
-    TRANSIENT_ERRORS,
     Backoff,
     Listed,
     Put,
@@ -22,6 +21,7 @@ from regroup.etcd import (
     ReflectorState,
     RevisionCompactedError,
 )
+from tests.etcd_helpers import put_retrying
 
 WAIT = 60.0
 """Upper bound for anything awaited here; a loaded machine passes well within it."""
@@ -61,15 +61,6 @@ def reflector(client: Any, mirror: Mirror, key: str = "/jobs/", **kwargs: Any) -
     return Reflector(client, key, mirror, backoff=fast_backoff(), on_lost=mirror.lost.append, **kwargs)
 
 
-async def put_retrying(client: Any, key: str, value: bytes) -> None:
-    """Put once the client's channel is back after an etcd restart (its first calls may fail)."""
-    async with asyncio.timeout(WAIT):
-        while True:
-            try:
-                await client.put(key.encode(), value)
-                return
-            except TRANSIENT_ERRORS:
-                await asyncio.sleep(0.1)
 
 
 def server_watchers(url: str) -> int:

@@ -11,10 +11,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import pytest
 
-from regroup.etcd import ClientError, loop_threads
+from regroup.etcd import loop_threads
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, Record, ReformRequest
 from regroup.telemetry import read_spans
@@ -22,6 +21,7 @@ from tests.trainer.harness import full_state, torchrun_argv, write_config
 from trainer.checkpoint_folders import COMMIT_MARKER, list_steps, step_dir
 from trainer.config import EtcdConfig
 from trainer.control import JobChannel
+from tests.etcd_helpers import put_retrying
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +32,6 @@ REFORM_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 REFORM_SPAN = "b7ad6b7169203331"
 
 
-async def put_retrying(client: Any, key: str, value: bytes) -> None:
-    """Put once the client's channel is back after an etcd restart (its first call may fail)."""
-    async with asyncio.timeout(30):
-        while True:
-            try:
-                await client.put(key.encode(), value)
-                return
-            except (ClientError, grpc.RpcError, OSError):
-                await asyncio.sleep(0.2)
 
 
 def _event(line: str) -> dict[str, Any] | None:
