@@ -17,7 +17,7 @@ from controller.jobconfig import ResolvedConfig
 from controller.multimap import index_add, index_discard
 from controller.rounds import HISTORY, JobRound
 from controller.sightings import FirstSeen
-from controller.signals import member_seen_key, signal_key
+from controller.signals import at_storm_threshold, member_seen_key, signal_key
 from regroup import records
 
 
@@ -92,8 +92,8 @@ class JobState:
         config = self.resolved.config if self.resolved is not None else None
         if config is None:
             return True
-        times, k = self.restarts.get(node), config.storm_restarts
-        return times is not None and len(times) >= k and times[-k] >= now - config.storm_window.total_seconds()
+        times = self.restarts.get(node, ())
+        return at_storm_threshold(times, config.storm_restarts, now - config.storm_window.total_seconds())
 
     def remove_pod(self, name: str, now: float) -> PodInfo | None:
         pod = self.pods.pop(name, None)

@@ -26,7 +26,7 @@ condition is gone or the pod is replaced (see ``controller.disruption``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -200,6 +200,12 @@ def ends_earlier(a: ReclaimNotice, b: ReclaimNotice) -> bool:
     if a.ends_at is None:
         return False
     return b.ends_at is None or a.ends_at < b.ends_at
+
+
+def at_storm_threshold(restarts: Sequence[float], k: int, since: float) -> bool:
+    """Whether ``restarts`` (times, oldest first) hold ``k`` restarts at or after ``since``:
+    the restart-storm rule's condition, read by ``decide`` and by the model's wake-ups."""
+    return len(restarts) >= k and restarts[-k] >= since
 
 
 def signal_key(node: str, what: str) -> str:

@@ -376,12 +376,6 @@ class RoundState(Record):
                     continue
         return times
 
-    def rank_of(self, agent: str) -> int | None:
-        try:
-            return self.agents.index(agent)
-        except ValueError:
-            return None
-
 
 @dataclass(frozen=True)
 class JoinRecord(Record):

@@ -16,7 +16,14 @@ from controller.disruption import PodNotice
 from controller.exclusions import LeavingNodes, exclusions_update
 from controller.jobconfig import JobConfig
 from controller.settings import ControllerSettings
-from controller.signals import ReclaimNotice, ends_earlier, member_seen_key, node_verdict, signal_key
+from controller.signals import (
+    ReclaimNotice,
+    at_storm_threshold,
+    ends_earlier,
+    member_seen_key,
+    node_verdict,
+    signal_key,
+)
 from controller.snapshot import Cordon, DeletePod, JobSnapshot, PostEvent
 from regroup.records import MemberRecord, ReformOutcome, ReformPhase
 
@@ -194,7 +201,7 @@ def restart_storms(
     cordoned, added = s.fleet.cordoned, set()  # added: cordons this decision asks for
     k, horizon = config.storm_restarts, now - window
     # Times are in order: the K-th newest restart decides whether K fall in the window.
-    hot = [node for node, times in s.restarts.items() if len(times) >= k and times[-k] >= horizon]
+    hot = [node for node, times in s.restarts.items() if at_storm_threshold(times, k, horizon)]
     for node in sorted(hot):
         times = s.restarts[node]
         recent = [t for t in times if now - window <= t <= now]
