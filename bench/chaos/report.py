@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
+from bench._stats import percentile
 from bench.chaos.campaign import CampaignResult, FaultResult
 from bench.chaos.invariants import INVARIANTS, RECOVERY_BOUND
 from bench.chaos.plan import KINDS
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in 0-100); None without values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def _seconds(value: float | None) -> str:
@@ -34,8 +26,8 @@ def kind_rows(faults: Sequence[FaultResult]) -> list[dict[str, Any]]:
                 "kind": kind,
                 "faults": len(group),
                 "recovered": sum(1 for f in group if f.recovered_at is not None),
-                "recovery_p50_s": percentile(times, 50),
-                "recovery_p99_s": percentile(times, 99),
+                "recovery_p50_s": percentile(times, 0.50),
+                "recovery_p99_s": percentile(times, 0.99),
                 "recovery_max_s": max(times, default=None),
                 "steps_lost": sum(f.steps_lost for f in group),
                 "steps_lost_max": max((f.steps_lost for f in group), default=0),

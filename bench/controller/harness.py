@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench._stats import percentile
 from controller.cluster import ObjectRef
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
@@ -135,15 +136,10 @@ async def offer(events: Sequence[Event], rate: float, deliver: Callable[[Event, 
         await asyncio.sleep(max(0.001, wait) if wait > 0 else 0)
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * len(ordered)))] if ordered else 0.0
-
-
 def latency_summary(latencies: Sequence[float]) -> dict[str, float]:
     return {
-        "p50_ms": round(percentile(latencies, 0.50) * 1e3, 3),
-        "p99_ms": round(percentile(latencies, 0.99) * 1e3, 3),
+        "p50_ms": round((percentile(latencies, 0.50) or 0.0) * 1e3, 3),
+        "p99_ms": round((percentile(latencies, 0.99) or 0.0) * 1e3, 3),
         "mean_ms": round(statistics.fmean(latencies) * 1e3, 3) if latencies else 0.0,
     }
 

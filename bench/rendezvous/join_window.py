@@ -10,11 +10,11 @@ from it (rank, world size and the round's ``MASTER_ADDR`` known), as p50/p99/max
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass
 
+from bench._stats import percentile
 from bench.rendezvous.fleet import Fleet
 
 
@@ -27,11 +27,6 @@ class WindowResult:
     p99: float | None = None
     max: float | None = None
     note: str = ""
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile of a sorted, non-empty list."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def measure_window(

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from bench.rendezvous.join_window import measure_window, percentile, window_table
+from bench._stats import percentile
+from bench.rendezvous.join_window import measure_window, window_table
 from demo.etcd_server import EtcdServer
 
 
 def test_percentiles_are_nearest_rank() -> None:
     ordered = [float(i) for i in range(1, 101)]
     assert (percentile(ordered, 0.5), percentile(ordered, 0.99), percentile(ordered, 1.0)) == (50.0, 99.0, 100.0)
-    assert percentile([3.0], 0.99) == 3.0
+    assert percentile([3.0], 0.99) == 3.0 and percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0, "unsorted values are sorted first"
 
 
 def test_join_window_waits_for_the_late_quarter_and_times_every_agent_from_the_last_arrival(etcd: EtcdServer) -> None:
