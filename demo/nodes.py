@@ -14,6 +14,7 @@ Three modes play the same scenario with the same trainer and checkpoint cadence:
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -46,6 +47,12 @@ DEFAULT_TRAINER: dict[str, Any] = {
     "log_every": 10,
     "device": "cpu",
 }
+
+
+def append_jsonl(path: Path, body: dict[str, Any]) -> None:
+    """Append ``body`` to one of a run's JSON-lines files."""
+    with open(path, "a") as out:
+        out.write(json.dumps(body, separators=(",", ":")) + "\n")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ since is recorded, as a watch would have delivered it.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from demo.nodes import append_jsonl
 from regroup.etcd import Deleted, EtcdSettings, Listed, Put, Reflector, ReflectorEvent, connect
 from regroup.keys import JobKey, JobKeys, KeyKind, decode
 from regroup.records import (
@@ -43,11 +43,6 @@ class JobView:
     checkpoint: CheckpointRequest | None = None
     acked_generations: set[int] = field(default_factory=set)
     progress_listeners: list[Any] = field(default_factory=list)
-
-
-def _append(path: Path, body: dict[str, Any]) -> None:
-    with open(path, "a") as out:
-        out.write(json.dumps(body, separators=(",", ":")) + "\n")
 
 
 class JobRecorder:
@@ -125,13 +120,13 @@ class JobRecorder:
         self.view.progress_seen_at = now
         body = asdict(progress)
         body.pop("extra", None)
-        _append(self._progress_file, {"seen": now, **body})
+        append_jsonl(self._progress_file, {"seen": now, **body})
         for listener in self.view.progress_listeners:
             listener(progress)
 
     def _on_members(self, now: float) -> None:
         members = self.view.members
-        _append(
+        append_jsonl(
             self._members_file,
             {
                 "t": now,
@@ -146,4 +141,4 @@ class JobRecorder:
         key = (plan.generation, plan.phase)
         if key != self._last_plan:
             self._last_plan = key
-            _append(self._plans_file, {"seen": time.time(), **asdict(plan)})
+            append_jsonl(self._plans_file, {"seen": time.time(), **asdict(plan)})

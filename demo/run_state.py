@@ -3,27 +3,19 @@ flaky nodes, the events so far (appended to the run's events file) and the live 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
 
 import structlog
 
 from demo.live import LiveSnapshot, phase_of
 from demo.local_cluster import ClusterEvent, LocalCluster
-from demo.nodes import CONTROLLED, Mode, RunLayout
+from demo.nodes import CONTROLLED, Mode, RunLayout, append_jsonl
 from demo.recorder import JobRecorder
 from demo.scenario import Scenario
 
 log = structlog.get_logger("demo")
-
-
-def append_jsonl(path: Path, body: dict[str, Any]) -> None:
-    with open(path, "a") as out:
-        out.write(json.dumps(body, separators=(",", ":")) + "\n")
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,7 +33,7 @@ from demo.local_cluster import ClusterEvent, LocalCluster
 from demo.processes import AgentCommand
 from controller.runtime import run_controller
 from controller.settings import ControllerSettings, RuntimeSettings
-from demo.nodes import NAMESPACE, RunLayout, make_launcher, write_trainer_config
+from demo.nodes import NAMESPACE, RunLayout, append_jsonl, make_launcher, write_trainer_config
 from demo.runner import STARTUP_TIMEOUT, await_vital
 from demo.scenario import JobSpec, Scenario
 from regroup.etcd import EtcdSettings, connect
@@ -186,8 +185,7 @@ class ChaosJob:
             "time": event.time, "source": event.source, "reason": event.reason, "message": event.message,
             "nodes": [event.name.removesuffix("-worker")], "type": event.type,
         }  # fmt: skip
-        with open(self.layout.events, "a") as out:
-            out.write(json.dumps(body, separators=(",", ":")) + "\n")
+        append_jsonl(self.layout.events, body)
         self.changes.notify()
 
     # ------------------------------------------------------------ waiting
