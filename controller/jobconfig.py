@@ -218,16 +218,15 @@ def resolve_job_config(pods: Sequence[PodInfo], defaults: JobDefaults) -> Resolv
             by_node.setdefault(p.node, []).append(p)
         if not p.deleting:
             live.append(p)
-    workers = sorted(live, key=lambda p: (p.created_at, p.name))
     rendezvous = tuple(rendezvous_pods)
     workers_by_node = {node: tuple(group) for node, group in by_node.items()}
-    if not workers:
+    if not live:
         return ResolvedConfig(None, (), None, rendezvous, workers_by_node)
     problems: list[ConfigProblem] = []
-    newest = workers[-1]
+    newest = max(live, key=lambda p: (p.created_at, p.name))
     newest_items = config_items(newest.annotations)
     newest_result = _parse_items(newest_items, defaults)
-    for pod in workers:
+    for pod in live:
         # Pods of a job nearly always carry equal annotations: compare whole mappings (in C)
         # before extracting and parsing their regroup items.
         if pod is newest or pod.annotations == newest.annotations:

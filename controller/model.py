@@ -201,6 +201,11 @@ class ClusterModel:
         if self._apply_put(job_id, state, kind, params, record, revision, self._clock()) and wake:
             self._on_dirty(job_id)
 
+    def own_write(self, job_id: JobId, kind: KeyKind, record: Record, revision: int) -> None:
+        """A record the controller itself just wrote to one of the job's control keys (no
+        parameters in its key): into the model as the watch will bring it, waking no one."""
+        self._apply_put(job_id, self._job(job_id), kind, {}, record, revision, self._clock())
+
     def _apply_put(
         self, job_id: JobId, state: JobState, kind: KeyKind, params: dict[str, str], record: Record | None,
         revision: int, now: float,

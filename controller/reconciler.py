@@ -48,6 +48,18 @@ EVENT_MEMORY = timedelta(minutes=15)
 """The same Event (object, reason, message) is posted at most once in this long."""
 
 
+RECORD_WRITES: dict[type[Action], tuple[KeyKind, str, bool]] = {
+    WriteCheckpointRequest: (KeyKind.CHECKPOINT, "request", False),
+    WriteExpected: (KeyKind.EXPECTED, "expected", False),
+    WriteReform: (KeyKind.REFORM, "request", False),
+    WritePresence: (KeyKind.CONTROLLER, "presence", True),
+    WriteStatus: (KeyKind.STATUS, "status", False),
+    WriteExclusions: (KeyKind.EXCLUDED, "exclusions", False),
+}
+"""Each action that writes one of the job's control records: (its key, the action's field
+holding the record, whether the write is bound to the controller's lease)."""
+
+
 class PlanConflict(Exception):
     """``control/plan`` changed under us: the snapshot was stale."""
 
@@ -157,44 +169,40 @@ class Reconciler:
             if self._remember((ref.kind, ref.namespace, ref.name, action.reason, action.message), now):
                 await self.actuator.post_event(ref, action.type_, action.reason, action.message)
             return
-        keys = self._job_keys.get(job)
-        if keys is None:
-            keys = self._job_keys[job] = JobKeys(job[0], job[1], self.settings.etcd_prefix)
-        if isinstance(action, WritePlan):
-            await self._write_plan(job, keys, action, now)
-        elif isinstance(action, WriteCheckpointRequest):
-            await self._put(job, keys, KeyKind.CHECKPOINT, action.request)
-        elif isinstance(action, WriteExpected):
-            await self._put(job, keys, KeyKind.EXPECTED, action.expected)
-        elif isinstance(action, WriteReform):
-            await self._put(job, keys, KeyKind.REFORM, action.request)
-        elif isinstance(action, WritePresence):
-            await self._put(job, keys, KeyKind.CONTROLLER, action.presence, leased=True)
-        elif isinstance(action, WriteStatus):
-            await self._put(job, keys, KeyKind.STATUS, action.status)
-        elif isinstance(action, WriteExclusions):
-            await self._put(job, keys, KeyKind.EXCLUDED, action.exclusions)
+        if type(action) is WritePlan:
+            await self._write_plan(job, action, now)
+            return
+        record = RECORD_WRITES.get(type(action))
+        if record is not None:
+            kind, name, leased = record
+            await self._put(job, kind, getattr(action, name), leased)
         elif isinstance(action, Cordon):
             await self._cordon(action, now)
         elif isinstance(action, DeletePod):
             log.info("deleting pod", namespace=action.namespace, pod=action.name, reason=action.reason)
             await self.actuator.delete_pod(action.namespace, action.name, action.reason)
 
-    async def _put(self, job: JobId, keys: JobKeys, kind: KeyKind, record: Record, leased: bool = False) -> None:
-        # Our own writes go into the model by job and wake no one.
-        rest = kind.format()
-        if self.writer is None:
-            self.model.job_put(job, rest, record, 0, wake=False)
-            return
-        revision = await self.writer.put(keys.key(kind), record.to_json(), leased=leased)
-        self.model.job_put(job, rest, record, revision, wake=False)
+    def _keys(self, job: JobId) -> JobKeys:
+        keys = self._job_keys.get(job)
+        if keys is None:
+            keys = self._job_keys[job] = JobKeys(job[0], job[1], self.settings.etcd_prefix)
+        return keys
 
-    async def _write_plan(self, job: JobId, keys: JobKeys, action: WritePlan, now: float) -> None:
+    async def _put(self, job: JobId, kind: KeyKind, record: Record, leased: bool = False) -> None:
+        # Our own writes go into the model by job and wake no one.
+        if self.writer is None:
+            revision = 0
+        else:
+            revision = await self.writer.put(self._keys(job).key(kind), record.to_json(), leased=leased)
+        self.model.own_write(job, kind, record, revision)
+
+    async def _write_plan(self, job: JobId, action: WritePlan, now: float) -> None:
         if self.writer is None:
             revision = self.model.jobs[job].plan_revision + 1 if job in self.model.jobs else 1
         else:
-            revision = await self.writer.compare_and_put(keys.plan, action.plan.to_json(), action.expected_revision)
-        self.model.job_put(job, KeyKind.PLAN.format(), action.plan, revision, wake=False)
+            revision = await self.writer.compare_and_put(self._keys(job).plan, action.plan.to_json(),
+                                                         action.expected_revision)
+        self.model.own_write(job, KeyKind.PLAN, action.plan, revision)
         plan = action.plan
         log.info("re-form " + plan.phase.value, namespace=job[0], job=job[1], generation=plan.generation,
                  cause=plan.cause.value, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)

@@ -167,6 +167,8 @@ class KeyKind(enum.StrEnum):
 
     def format(self, **params: str | int) -> str:
         """The key below the job's root, parameters filled in."""
+        if "<" not in self.value:
+            return self.value
         parts = []
         for part in self.value.split("/"):
             if part.startswith("<"):

@@ -5,8 +5,9 @@ taint removals, NotReady flips, pod deletions and re-creations, container restar
 rank restarts (``storm``) is replayed on each path:
 
 - ``direct``: events go straight into the model (what the controller itself can do);
-- ``http``: events are written into the Kubernetes API stand-in and reach the model
-  through the real list+watch adapter over HTTP (``kube``);
+- ``http``: events are written into the Kubernetes API stand-in, running in a process of
+  its own as the API server does (``standin_process``), and reach the model through the
+  real list+watch adapter over HTTP (``kube``);
 - ``anchor``: the stand-in alone, read by a bare watch consumer that only decodes lines.
   The ratio ``http / anchor`` says how much of the HTTP path's ceiling is the stand-in.
 

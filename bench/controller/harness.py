@@ -118,12 +118,18 @@ class Harness:
         self.model.etcd_resynced(items)
 
 
-async def offer(events: Sequence[Event], rate: float, deliver: Callable[[Event, float], None]) -> None:
-    """Offer ``events`` at ``rate`` per second: event i arrives ``i / rate`` after the start.
-    Each turn hands over every event that has arrived by then, as a watch read returns all
-    that is buffered, so a controller that falls behind gets bigger batches, and each event
-    is stamped with its arrival (``deliver(event, arrived)``)."""
-    start = time.perf_counter()
+async def offer(
+    events: Sequence[Event], rate: float, deliver: Callable[[Event, float], None], start: float | None = None
+) -> None:
+    """Offer ``events`` at ``rate`` per second: event i arrives ``i / rate`` after ``start``
+    (a ``time.perf_counter`` value, now by default; two processes given the same one keep
+    the same schedule). Each turn hands over every event that has arrived by then, as a
+    watch read returns all that is buffered, so a controller that falls behind gets bigger
+    batches, and each event is stamped with its arrival (``deliver(event, arrived)``)."""
+    if start is None:
+        start = time.perf_counter()
+    elif start > time.perf_counter():
+        await asyncio.sleep(start - time.perf_counter())
     done = 0
     while done < len(events):
         arrived = min(len(events), int((time.perf_counter() - start) * rate) + 1)

@@ -3,15 +3,15 @@ reclaim, shrink to max, grow with joiners, or report the job stalled below min."
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 from controller.cluster import PodInfo
 from controller.decide.health import joiner_seen
 from controller.decide.out import Out
 from controller.decide.situation import Situation
-from controller.decide.writes import checkpoint_request, reform_writes, request_reform
+from controller.decide.writes import checkpoint_request, reform_request_fields, reform_writes
 from controller.signals import ReclaimNotice
 from controller.snapshot import JobSnapshot, PostEvent, WriteCheckpointRequest, WritePlan
 from controller.trace_ids import new_trace_id
@@ -142,26 +142,27 @@ def _begin(
     """Write the new plan and its first request: the checkpoint when planned, else the re-form."""
     s, now, out = sit.s, sit.now, sit.out
     generation = _next_generation(s)
-    plan = ReformPlan(
-        generation=generation,
-        cause=cause,
-        planned=planned,
-        phase=ReformPhase.CHECKPOINT if planned else ReformPhase.RENDEZVOUS,
-        reason=reason,
-        nodes_before=sorted(world),
-        nodes_after=list(target),
-        trace_id=new_trace_id(s.namespace, s.job, generation, now),
-        detected_at=min(detected, now),
-        decided_at=now,
-        round_before=s.world_round,
-    )
+    common: dict[str, Any] = {
+        "generation": generation,
+        "cause": cause,
+        "planned": planned,
+        "reason": reason,
+        "nodes_before": sorted(world),
+        "nodes_after": list(target),
+        "trace_id": new_trace_id(s.namespace, s.job, generation, now),
+        "detected_at": min(detected, now),
+        "decided_at": now,
+        "round_before": s.world_round,
+    }
     if planned:
-        plan = dataclasses.replace(plan, checkpoint_requested_at=now, checkpoint_deadline=deadline)
+        plan = ReformPlan(**common, phase=ReformPhase.CHECKPOINT, checkpoint_requested_at=now,
+                          checkpoint_deadline=deadline)
         out.actions.append(WritePlan(plan, s.plan_revision))
         out.actions.append(WriteCheckpointRequest(checkpoint_request(plan)))
         out.again_in(deadline - now)
     else:
-        plan = request_reform(s, plan, now)
+        # Built whole: the plan as it stands once the re-form is requested.
+        plan = ReformPlan(**common, **reform_request_fields(s, generation, target, now))
         out.actions.append(WritePlan(plan, s.plan_revision))
         reform_writes(plan, out)
         out.again_in(sit.settings.reform.rendezvous_timeout.total_seconds())

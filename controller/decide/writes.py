@@ -7,6 +7,8 @@ then publishes the next round (``control/expected``) and asks for it (``control/
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import Any
 
 from controller.decide.out import Out
 from controller.reform_summary import resize_message
@@ -36,22 +38,26 @@ def checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
 
 def request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
     """The plan as it stands when ``control/expected`` and ``control/reform`` go out."""
+    return dataclasses.replace(plan, **reform_request_fields(s, plan.generation, plan.nodes_after, now))
+
+
+def reform_request_fields(s: JobSnapshot, generation: int, nodes_after: Iterable[str], now: float) -> dict[str, Any]:
+    """What a plan records when its ``control/expected`` and ``control/reform`` go out."""
     step = s.progress.step if s.progress is not None else -1
-    ack = s.acks.get(plan.generation)
+    ack = s.acks.get(generation)
     if ack is not None:
         step = max(step, ack.step)
     ranks = 0
-    for node in plan.nodes_after:
+    for node in nodes_after:
         member = s.members.get(node)
         ranks += member.local_world_size if member is not None else 0
-    return dataclasses.replace(
-        plan,
-        phase=ReformPhase.RENDEZVOUS,
-        reform_requested_at=now,
-        step_before=step,
-        progress_revision=s.progress_revision,
-        world_size_target=ranks,
-    )
+    return {
+        "phase": ReformPhase.RENDEZVOUS,
+        "reform_requested_at": now,
+        "step_before": step,
+        "progress_revision": s.progress_revision,
+        "world_size_target": ranks,
+    }
 
 
 def reform_writes(plan: ReformPlan, out: Out, s: JobSnapshot | None = None) -> None:
