@@ -124,6 +124,9 @@ def scenario(store: dist.Store, name: str, grow_ranks: list[int], out: Path, pro
             redistribute(model, optimizer, held, dist.group.WORLD)
         except ValueError as error:
             result["shrink_error"] = str(error)
+        # Both ranks past the refusal before either tears its pairs down: gloo aborts a
+        # process (std::terminate) whose group is destroyed while the peer's is going.
+        dist.barrier()
         dist.destroy_process_group()
     (out / f"proc-{proc}.json").write_text(json.dumps(result))
 
