@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pytest
 from controller.cluster import JOB_LABEL, NodeInfo, ObjectRef, PodInfo
 from demo.local_cluster import LocalCluster
 from demo.processes import AgentCommand
+from tests.changes import Changes
 
 # An "agent" that, like torchrun, starts its worker in a session of its own, then waits.
 # It exits with an error on the attempts listed in argv[3], or cleanly once with "clean".
@@ -32,50 +33,41 @@ time.sleep(600)
 """
 
 
-class Sink:
+class Sink(Changes):
     """A ClusterSink that remembers the latest view and lets a test await a condition."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.nodes: dict[str, NodeInfo] = {}
         self.pods: dict[str, PodInfo] = {}
         self.deleted_nodes: list[str] = []
         self.deleted_pods: list[str] = []
         self.lists = 0
         """Full lists received (the first one, then one per relist)."""
-        self._changed = asyncio.Event()
-
-    def _poke(self) -> None:
-        self._changed.set()
 
     def node_changed(self, node: NodeInfo) -> None:
         self.nodes[node.name] = node
-        self._poke()
+        self.changed()
 
     def node_deleted(self, name: str) -> None:
         self.nodes.pop(name, None)
         self.deleted_nodes.append(name)
-        self._poke()
+        self.changed()
 
     def pod_changed(self, pod: PodInfo) -> None:
         self.pods[pod.name] = pod
-        self._poke()
+        self.changed()
 
     def pod_deleted(self, namespace: str, name: str) -> None:
         self.pods.pop(name, None)
         self.deleted_pods.append(name)
-        self._poke()
+        self.changed()
 
     def resynced(self, nodes: list[NodeInfo], pods: list[PodInfo]) -> None:
         self.nodes = {n.name: n for n in nodes}
         self.pods = {p.name: p for p in pods}
         self.lists += 1
-        self._poke()
-
-    async def until(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                self._changed.clear()
-                await self._changed.wait()
+        self.changed()
 
 
 def alive(pid: int) -> bool:

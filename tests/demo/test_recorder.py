@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from demo.recorder import JobRecorder
 from regroup.keys import JobKey, JobKeys
 from regroup.records import MemberRecord, Progress
+from tests.changes import Changes
 from tests.etcd_helpers import put_retrying
 
-WAIT = 60.0
 KEYS = JobKeys("ns", "llama")
 
 
@@ -22,17 +21,12 @@ class Recorder(JobRecorder):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.applied = asyncio.Event()
+        self.applied = Changes()
+        self.until = self.applied.until
 
     def _apply(self, found: JobKey) -> None:
         super()._apply(found)
-        self.applied.set()
-
-    async def until(self, predicate: Callable[[], bool]) -> None:
-        async with asyncio.timeout(WAIT):
-            while not predicate():
-                await self.applied.wait()
-                self.applied.clear()
+        self.applied.changed()
 
 
 def member(node: str) -> bytes:

@@ -6,7 +6,6 @@ import asyncio
 import random
 import re
 import urllib.request
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -21,20 +20,17 @@ from regroup.etcd import (
     ReflectorState,
     RevisionCompactedError,
 )
+from tests.changes import WAIT, Changes
 from tests.etcd_helpers import put_retrying
 
-WAIT = 60.0
-"""Upper bound for anything awaited here; a loaded machine passes well within it."""
-
-
-class Mirror:
+class Mirror(Changes):
     """What a reflector's user keeps: the keys as its events say they are."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.events: list[ReflectorEvent] = []
         self.keys: dict[str, bytes] = {}
         self.lost: list[BaseException | None] = []
-        self._changed = asyncio.Event()
 
     def __call__(self, event: ReflectorEvent) -> None:
         self.events.append(event)
@@ -44,13 +40,7 @@ class Mirror:
             self.keys[event.key] = event.value
         else:
             self.keys.pop(event.key, None)
-        self._changed.set()
-
-    async def until(self, predicate: Callable[[], Any]) -> None:
-        async with asyncio.timeout(WAIT):
-            while not predicate():
-                await self._changed.wait()
-                self._changed.clear()
+        self.changed()
 
 
 def fast_backoff() -> Backoff:
