@@ -54,6 +54,10 @@ class ControllerMetrics:
         self.bad_config = Gauge(
             "regroup_bad_config", "1 while the job's annotations are invalid.", ["namespace", "job"], registry=r
         )
+        self.events_dropped = Counter(
+            "regroup_events_dropped", "Kubernetes Events not posted (rate-limited, queue-full or error).", ["cause"],
+            registry=r,
+        )
         self.leader = Gauge("regroup_leader", "1 while this replica leads.", registry=r)
 
     def forget_job(self, namespace: str, job: str) -> None:

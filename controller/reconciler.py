@@ -2,15 +2,15 @@
 
 The etcd writes go through ``EtcdWriter`` (the plan by compare-and-set on its revision:
 the fencing token that stops a stale replica from overwriting a newer plan); cluster
-actions go to the ``ClusterActuator``. A failed write ends the cycle and the job is
-looked at again after a back-off; nothing is retried blindly.
+actions go to the ``ClusterActuator``, Events to the ``EventRecorder``, which posts them
+in the background. A failed write ends the cycle and the job is looked at again after a
+back-off; nothing is retried blindly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +20,7 @@ import structlog
 
 from controller.cluster import ClusterActuator
 from controller.decide import decide, summarize
+from controller.events import EventRecorder
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
 from controller.settings import ControllerSettings
@@ -43,10 +44,6 @@ from regroup.keys import JobKeys, KeyKind
 from regroup.records import Record, ReformCause, ReformOutcome, ReformPhase, ReformPlan
 
 log = structlog.get_logger("regroup.controller")
-
-EVENT_MEMORY = timedelta(minutes=15)
-"""The same Event (object, reason, message) is posted at most once in this long."""
-
 
 RECORD_WRITES: dict[type[Action], tuple[KeyKind, str, bool]] = {
     WriteCheckpointRequest: (KeyKind.CHECKPOINT, "request", False),
@@ -107,13 +104,15 @@ class Reconciler:
         self.metrics = metrics
         self.tracer_provider = tracer_provider
         self.clock = clock
-        self._events: OrderedDict[tuple[str, str, str, str, str], float] = OrderedDict()
+        self.events = EventRecorder(actuator, metrics)
+        """Where the decisions' Events go; its ``run`` posts them (a task beside the workers)."""
         self._reasons: dict[JobId, str] = {}
         self._rounds: dict[JobId, int] = {}
         self._cordon_lock = asyncio.Lock()
         self._backoff: dict[JobId, float] = {}
         self._gauges: dict[JobId, tuple[object, ...]] = {}
         self._gauge_children: dict[JobId, tuple[Any, ...]] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._job_keys: dict[JobId, JobKeys] = {}
         self._cordoned_gauge = -1
 
@@ -158,16 +157,11 @@ class Reconciler:
 
     async def _apply(self, job: JobId, action: Action, now: float) -> None:
         if type(action) is PostPodEvents:
-            # The most frequent kind of action: a finished re-form tells each of the job's
-            # pods. Remembered once for the job, not once per pod.
-            if self._remember(("Pods", job[0], job[1], action.reason, action.message), now):
-                for pod in action.pods:
-                    await self.actuator.post_event(pod.ref, action.type_, action.reason, action.message)
+            # The most frequent kind of action: a finished re-form tells each of the job's pods.
+            self.events.record_on_pods(job, action.pods, action.type_, action.reason, action.message, now)
             return
         if type(action) is PostEvent:
-            ref = action.ref
-            if self._remember((ref.kind, ref.namespace, ref.name, action.reason, action.message), now):
-                await self.actuator.post_event(ref, action.type_, action.reason, action.message)
+            self.events.record(action.ref, action.type_, action.reason, action.message, now)
             return
         if type(action) is WritePlan:
             await self._write_plan(job, action, now)
@@ -212,21 +206,28 @@ class Reconciler:
     def _finished(self, job: JobId, plan: ReformPlan) -> None:
         planned = str(plan.planned).lower()
         cause = plan.cause.value
+        m, child = self.metrics, self._child
         if plan.outcome == ReformOutcome.COMPLETED:
-            self.metrics.reform_duration.labels(job[0], job[1], cause, planned).observe(
-                max(0.0, reform_end(plan) - plan.detected_at)
-            )
+            child(m.reform_duration, job[0], job[1], cause, planned).observe(max(0.0, reform_end(plan) - plan.detected_at))
             if plan.lost_steps > 0:
-                self.metrics.lost_steps.labels(job[0], job[1], cause).inc(plan.lost_steps)
-        self.metrics.reforms.labels(job[0], job[1], cause, planned).inc()
+                child(m.lost_steps, job[0], job[1], cause).inc(plan.lost_steps)
+        child(m.reforms, job[0], job[1], cause, planned).inc()
         if plan.outcome != ReformOutcome.COMPLETED:
             phase = _abandoned_in(plan).value
-            self.metrics.abandoned.labels(job[0], job[1], cause, phase, plan.outcome.value).inc()
+            child(m.abandoned, job[0], job[1], cause, phase, plan.outcome.value).inc()
             log.warning("re-form abandoned", namespace=job[0], job=job[1], generation=plan.generation,
                         phase=phase, outcome=plan.outcome.value, why=plan.why)
         for phase, (start, end) in phase_times(plan).items():
-            self.metrics.phase_duration.labels(cause, phase).observe(max(0.0, end - start))
+            child(m.phase_duration, cause, phase).observe(max(0.0, end - start))
         emit_reform_trace(self.tracer_provider, job[0], job[1], plan)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once (a storm ends thousands of re-forms)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     async def _cordon(self, action: Cordon, now: float) -> None:
         # Jobs decide concurrently: the budget is re-checked here, under one lock.
@@ -242,33 +243,16 @@ class Reconciler:
             self.model.cordoned.add(action.node)
             self.metrics.cordons.labels(ReformCause.RESTART_STORM.value).inc()
 
-    def _remember(self, key: tuple[str, ...], now: float) -> bool:
-        """Whether the Event ``key`` names is due (not posted within ``EVENT_MEMORY``); a
-        due one is remembered from ``now``."""
-        memory = EVENT_MEMORY.total_seconds()
-        events = self._events
-        last = events.get(key)
-        if last is not None and now - last < memory:
-            return False
-        # Oldest first (a re-posted key moves to the end): forgetting expired Events pops
-        # from the front, never rescans the ones still remembered.
-        while events:
-            oldest = next(iter(events))
-            if now - events[oldest] < memory:
-                break
-            del events[oldest]
-        events[key] = now
-        events.move_to_end(key)
-        return True
-
     # --- metrics ---------------------------------------------------------------------
 
     def _export_gauges(self, job: JobId, decision: Decision) -> None:
         a = decision.alerts
         values = (decision.node_count, decision.min_nodes, decision.max_nodes, a.stalled, a.bad_config, a.flapping,
                   a.rendezvous_on_gpu)
-        if self._gauges.get(job) != values:
-            # Label lookups cost more than the decision itself; set only what changed.
+        before = self._gauges.get(job)
+        if before != values:
+            # Label lookups cost more than the decision itself, and each set takes a lock:
+            # look the children up once, and set only the values that moved.
             self._gauges[job] = values
             children = self._gauge_children.get(job)
             if children is None:
@@ -278,8 +262,9 @@ class Reconciler:
                     for g in (m.job_nodes, m.min_nodes, m.max_nodes, m.stalled, m.bad_config, m.flapping,
                               m.rendezvous_on_gpu)
                 )
-            for child, value in zip(children, values, strict=True):
-                child.set(int(value))
+            for i, (child, value) in enumerate(zip(children, values, strict=True)):
+                if before is None or before[i] != value:
+                    child.set(int(value))
         state = self.model.jobs.get(job)
         rounds = state.round.advanced if state is not None else 0
         seen = self._rounds.get(job, 0)

@@ -1,9 +1,9 @@
 """``run_controller``: the controller's one asyncio loop.
 
 Owned tasks: the cluster source (feeding the model), the etcd mirror, the reconcile
-workers, the periodic resync and the presence lease. All are cancelled together when
-the caller cancels ``run_controller``; the lease is revoked on the way out, so agents
-see the controller gone at once and handle joins themselves again.
+workers, the Event recorder, the periodic resync and the presence lease. All are
+cancelled together when the caller cancels ``run_controller``; the lease is revoked on
+the way out, so agents see the controller gone at once and handle joins themselves again.
 """
 
 from __future__ import annotations
@@ -205,6 +205,7 @@ async def run_controller(
             )
             for i in range(settings.runtime.workers):
                 tasks.create_task(loop.worker(), name=f"reconcile-{i}")
+            tasks.create_task(reconciler.events.run(), name="event-recorder")
             tasks.create_task(loop.resync(settings.runtime.resync), name="resync")
             await synced.wait()
             freeze_listed_heap()

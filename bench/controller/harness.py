@@ -89,6 +89,7 @@ class Harness:
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.loop.worker()) for _ in range(self.workers)]
+        self.tasks.append(asyncio.create_task(self.reconciler.events.run()))
 
     async def stop(self) -> None:
         for task in self.tasks:

@@ -96,6 +96,6 @@ def _running(
     else:
         reason, stalled = start(sit, world, joiners, resolved.newest)
         state = "stalled" if stalled else ("reforming" if out.actions and out.started() else "healthy")
-    live = [n for n in world if n not in health.lost] if health.lost else world
+    live = world - health.lost.keys() if health.lost else world
     write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu)
     return out.decision(reason, len(live), config, Alerts(stalled=stalled, flapping=flaps, rendezvous_on_gpu=gpu))

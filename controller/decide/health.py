@@ -6,6 +6,7 @@ storms and ``control/excluded`` for the leaving nodes.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -204,12 +205,13 @@ def restart_storms(
     hot = [node for node, times in s.restarts.items() if at_storm_threshold(times, k, horizon)]
     for node in sorted(hot):
         times = s.restarts[node]
-        recent = [t for t in times if now - window <= t <= now]
-        if len(recent) < config.storm_restarts:
+        # The window's restarts, found by bisection: times are in order.
+        first, end = bisect_left(times, horizon), bisect_right(times, now)
+        if end - first < k:
             continue
         health.storm.add(node)
-        out.again_in(min(recent) + window - now)
-        why = f"{len(recent)} rank restarts within {config.storm_window} (limit {config.storm_restarts}) on node {node}"
+        out.again_in(times[first] + window - now)
+        why = f"{end - first} rank restarts within {config.storm_window} (limit {k}) on node {node}"
         if node not in cordoned and node not in added:
             if len(cordoned) + len(added) >= budget:
                 out.actions.append(
@@ -230,4 +232,4 @@ def restart_storms(
                 out.actions.append(DeletePod(pod.namespace, pod.name, f"restart storm: {why}"))
         if node in s.members or node in health.lost:
             health.lost.setdefault(node, f"restart storm: {why}")
-            health.lost_since.setdefault(node, min(recent[config.storm_restarts - 1], now))
+            health.lost_since.setdefault(node, min(times[first + k - 1], now))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from controller.decide.out import Out
 from controller.jobconfig import JobConfig
@@ -15,7 +15,7 @@ def write_status(
     out: Out,
     state: str,
     reason: str,
-    nodes: Iterable[str],
+    nodes: AbstractSet[str],
     config: JobConfig | None,
     now: float,
     flapping: bool = False,
@@ -23,12 +23,17 @@ def write_status(
 ) -> None:
     """Ask for a ``control/status`` write when anything but the reason differs from the stored one."""
     alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
-    nodes = sorted(nodes)
     min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
     old = s.status
-    # The reason alone changing (counts, phases) is not worth a write per decision.
-    if old is None or (old.state, old.node_count, old.min_nodes, old.max_nodes, old.nodes, old.alerts) != (
-        state, len(nodes), min_nodes, max_nodes, nodes, alerts
+    # The reason alone changing (counts, phases) is not worth a write per decision. The
+    # stored nodes are sorted; equal sizes and containment compare them without sorting
+    # (a decision in a storm is cheaper by that sort).
+    if (
+        old is None
+        or (old.state, old.node_count, old.min_nodes, old.max_nodes, old.alerts)
+        != (state, len(nodes), min_nodes, max_nodes, alerts)
+        or len(old.nodes) != len(nodes)
+        or not all(map(nodes.__contains__, old.nodes))
     ):
         status = JobStatus(
             state=state,
@@ -36,7 +41,7 @@ def write_status(
             node_count=len(nodes),
             min_nodes=min_nodes,
             max_nodes=max_nodes,
-            nodes=nodes,
+            nodes=sorted(nodes),
             alerts=alerts,
             updated_at=now,
         )

@@ -249,6 +249,19 @@ def test_node_changes_no_decision_reads_wake_no_job() -> None:
     assert dirty == [(NS, JOB)]
 
 
+def test_a_snapshot_is_the_frozen_dataclass_its_fields_say() -> None:
+    """The builder fills the snapshot's dict directly (cheaper than the frozen __init__):
+    it names every field, and the object stays read-only."""
+    from controller.snapshot import JobSnapshot
+
+    m, _, _ = model()
+    s = m.snapshot((NS, JOB))
+    assert set(vars(s)) == {f.name for f in dataclasses.fields(JobSnapshot)}
+    assert JobSnapshot(**vars(s)) == s
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.plan = None  # type: ignore[misc]
+
+
 def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
     """Random churn of nodes, pods (restart-only updates included), members and rounds:
     every index the model keeps between decisions (suspects, resolved config, disrupted
@@ -359,37 +372,3 @@ def test_an_agent_coming_back_to_a_node_is_a_new_joiner_not_an_old_sighting() ->
     snap = m.snapshot((NS, JOB))
     # The join window of the returning agent starts when it registered, not 100 s ago.
     assert snap.first_seen[member_seen_key("n4", T0 + 100, 0)] == T0 + 100
-
-
-async def test_the_same_event_is_posted_once_per_memory_and_expired_ones_are_forgotten() -> None:
-    from controller.cluster import ObjectRef
-    from controller.metrics import ControllerMetrics
-    from controller.reconciler import EVENT_MEMORY, Reconciler
-    from controller.snapshot import PostEvent
-
-    class Recorder:
-        def __init__(self) -> None:
-            self.posted: list[str] = []
-
-        async def post_event(self, ref, type_, reason, message) -> None:
-            self.posted.append(message)
-
-    recorder = Recorder()
-    clock, _ = Clock(), []
-    reconciler = Reconciler(ClusterModel(clock, lambda job: None), ControllerSettings(), None, recorder,  # type: ignore[arg-type]
-                            ControllerMetrics())
-    memory = EVENT_MEMORY.total_seconds()
-
-    async def post(message: str, now: float) -> None:
-        await reconciler._apply((NS, "job"), PostEvent(ObjectRef("Pod", "p", NS), "Normal", "Test", message), now)
-
-    await post("a", T0)
-    await post("a", T0 + memory - 1)
-    assert recorder.posted == ["a"]
-    for i in range(1, 50):
-        await post(f"b{i}", T0 + i)
-    await post("a", T0 + memory)
-    assert recorder.posted[-1] == "a" and len(recorder.posted) == 51
-    # Once every other Event's memory has passed, only the one posted last is remembered.
-    await post("c", T0 + 2 * memory)
-    assert list(reconciler._events) == [("Pod", NS, "p", "Test", "c")]

@@ -19,6 +19,7 @@ HISTOGRAMS = {"regroup_reform_duration_seconds", "regroup_reform_phase_duration_
 COUNTERS = {
     "regroup_reforms_total", "regroup_lost_steps_total", "regroup_cordons_total",
     "regroup_rendezvous_rounds_total", "regroup_watch_restarts_total", "regroup_reforms_abandoned_total",
+    "regroup_events_dropped_total",
 }
 GAUGES = {
     "regroup_job_nodes", "regroup_job_min_nodes", "regroup_job_max_nodes", "regroup_job_stalled",
@@ -48,6 +49,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     "regroup_rendezvous_pod_on_gpu_node": ("namespace", "job"),
     "regroup_watch_restarts": ("source",),
     "regroup_bad_config": ("namespace", "job"),
+    "regroup_events_dropped": ("cause",),
     "regroup_leader": (),
 }
 

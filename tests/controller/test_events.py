@@ -1,0 +1,129 @@
+"""The Event recorder: decisions never wait on Events, and a storm cannot flood the API."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from controller.cluster import ObjectRef
+from controller.events import EVENT_MEMORY, SPAM_BURST, SPAM_REFILL, EventRecorder
+from controller.metrics import ControllerMetrics
+from controller.model import ClusterModel
+from controller.reconciler import Reconciler
+from controller.settings import ControllerSettings
+from controller.snapshot import PostPodEvents
+
+from .builders import JOB, NS, T0, pod
+from .harness import sample
+
+
+class Api:
+    """An actuator that records the Events posted; ``gate`` holds every post until set."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, str, str]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail: set[str] = set()
+
+    async def post_event(self, ref: ObjectRef, type_: str, reason: str, message: str) -> None:
+        await self.gate.wait()
+        if message in self.fail:
+            raise RuntimeError("the API server said no")
+        self.posted.append((ref.name, reason, message))
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[tuple[EventRecorder, Api, ControllerMetrics]]:
+    api, metrics = Api(), ControllerMetrics()
+    recorder = EventRecorder(api, metrics, capacity=100)  # type: ignore[arg-type]
+    task = asyncio.create_task(recorder.run())
+    yield recorder, api, metrics
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def ref(name: str) -> ObjectRef:
+    return ObjectRef("Pod", name, NS)
+
+
+async def test_the_same_event_is_posted_once_per_memory(running) -> None:
+    recorder, api, _ = running
+    memory = EVENT_MEMORY.total_seconds()
+    recorder.record(ref("p"), "Normal", "Test", "a", T0)
+    recorder.record(ref("p"), "Normal", "Test", "a", T0 + memory - 1)
+    recorder.record(ref("q"), "Normal", "Test", "a", T0 + memory - 1)  # another object: its own Event
+    recorder.record(ref("p"), "Normal", "Test", "a", T0 + memory)
+    await recorder.posted()
+    assert api.posted == [("p", "Test", "a"), ("q", "Test", "a"), ("p", "Test", "a")]
+    # Once every other Event's memory has passed, only the one posted last is remembered.
+    recorder.record(ref("r"), "Normal", "Test", "c", T0 + 3 * memory)
+    assert list(recorder._seen) == [("Pod", NS, "r", "Test", "c")]
+
+
+async def test_a_subject_posts_a_burst_then_one_per_refill(running) -> None:
+    recorder, api, metrics = running
+    for i in range(SPAM_BURST + 10):
+        recorder.record(ref("p"), "Warning", "Flap", f"flap {i}", T0 + i * 0.01)
+    recorder.record(ref("other"), "Warning", "Flap", "flap", T0 + 1)
+    await recorder.posted()
+    assert [m for name, _, m in api.posted if name == "p"] == [f"flap {i}" for i in range(SPAM_BURST)]
+    assert ("other", "Flap", "flap") in api.posted
+    assert sample(metrics, "regroup_events_dropped_total", cause="rate-limited") == 10
+    # One refill later, one more; not two.
+    later = T0 + SPAM_REFILL.total_seconds() + 1
+    recorder.record(ref("p"), "Warning", "Flap", "after", later)
+    recorder.record(ref("p"), "Warning", "Flap", "after 2", later)
+    await recorder.posted()
+    assert [m for name, _, m in api.posted if name == "p"][-1] == "after"
+    assert sample(metrics, "regroup_events_dropped_total", cause="rate-limited") == 11
+
+
+async def test_a_job_level_event_goes_on_every_pod_and_spends_one_token_of_the_job(running) -> None:
+    recorder, api, _ = running
+    pods = [pod(n) for n in ("n1", "n2", "n3")]
+    for i in range(SPAM_BURST + 5):
+        recorder.record_on_pods((NS, JOB), pods, "Warning", "ReformAbandoned", f"re-form {i} abandoned", T0 + i)
+    await recorder.posted()
+    assert len(api.posted) == 3 * SPAM_BURST
+    assert {name for name, _, _ in api.posted} == {p.name for p in pods}
+    # Each pod's own budget is untouched: an Event about one pod still goes out.
+    recorder.record(pods[0].ref, "Warning", "BadConfig", "bad", T0 + 100)
+    await recorder.posted()
+    assert api.posted[-1] == (pods[0].name, "BadConfig", "bad")
+
+
+async def test_a_full_queue_drops_the_newest_and_a_failed_post_drops_only_itself(running) -> None:
+    recorder, api, metrics = running
+    api.gate.clear()  # the API server stops answering
+    api.fail.add("m1")
+    for i in range(110):
+        recorder.record(ref(f"p{i}"), "Normal", "Test", f"m{i}", T0)
+    assert sample(metrics, "regroup_events_dropped_total", cause="queue-full") == 10
+    api.gate.set()
+    await recorder.posted()
+    assert [m for _, _, m in api.posted] == [f"m{i}" for i in range(100) if i != 1]
+    assert sample(metrics, "regroup_events_dropped_total", cause="error") == 1
+
+
+async def test_a_decision_does_not_wait_for_its_events() -> None:
+    """The API server sits on every Event: the reconcile that tells a re-form's end on
+    50 pods returns at once, and the Events go out when the server answers."""
+    api, metrics = Api(), ControllerMetrics()
+    api.gate.clear()
+    reconciler = Reconciler(ClusterModel(lambda: T0, lambda job: None), ControllerSettings(), None, api,  # type: ignore[arg-type]
+                            metrics)
+    task = asyncio.create_task(reconciler.events.run())
+    try:
+        pods = tuple(pod(f"n{i}") for i in range(50))
+        action = PostPodEvents(pods, "Normal", "Resized", "50 → 49 nodes")
+        await asyncio.wait_for(reconciler._apply((NS, JOB), action, T0), timeout=5)
+        assert api.posted == []
+        api.gate.set()
+        await asyncio.wait_for(reconciler.events.posted(), timeout=5)
+        assert sorted(name for name, _, _ in api.posted) == sorted(p.name for p in pods)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
