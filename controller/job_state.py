@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from controller.cluster import PodInfo
 from controller.disruption import disruption_key
-from controller.jobconfig import ResolvedConfig
+from controller.jobconfig import ResolvedConfig, update_resolved
 from controller.multimap import index_add, index_discard
 from controller.rounds import HISTORY, JobRound
 from controller.sightings import FirstSeen
@@ -53,8 +53,8 @@ class JobState:
     pods_view: tuple[PodInfo, ...] | None = None
     """``tuple(pods.values())``; None after any pod change."""
     resolved: ResolvedConfig | None = None
-    """The config resolved from the pods; None after any pod change other than a restart
-    count (which nothing resolved reads)."""
+    """The config resolved from the pods: kept through a restart count (which nothing
+    resolved reads) and the pod changes ``update_resolved`` can apply; None after others."""
     suspects: set[str] | None = None
     """Nodes of the job that are not plainly healthy (``controller.suspects``); None after
     the round changes, else updated node by node."""
@@ -76,7 +76,7 @@ class JobState:
         self.pods_view = None
         touched = old is None or not restart_only(old, pod)
         if touched:
-            self.resolved = None
+            self.resolved = update_resolved(self.resolved, old, pod)
         previous = self.pod_restarts.get(pod.name, pod.restart_count if old is None else 0)
         if pod.restart_count > previous and pod.node is not None:
             self.restarted(pod.node, pod.restart_count - previous, now)
@@ -98,7 +98,8 @@ class JobState:
     def remove_pod(self, name: str, now: float) -> PodInfo | None:
         pod = self.pods.pop(name, None)
         self.pods_view = None
-        self.resolved = None
+        if pod is not None:
+            self.resolved = update_resolved(self.resolved, pod, None)
         self.pod_restarts.pop(name, None)
         if pod is not None and pod.node is not None:
             self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)

@@ -201,6 +201,42 @@ class ResolvedConfig:
     """Worker pods (including ones being deleted) by the node they run on."""
 
 
+def update_resolved(resolved: ResolvedConfig | None, old: PodInfo | None, new: PodInfo | None) -> ResolvedConfig | None:
+    """``resolved`` after pod ``old`` became ``new`` (``old`` None: added; ``new`` None:
+    removed), without a pass over the job's pods, where the change moves nothing but the
+    pod itself: both are workers on the same node, neither is nor would become the newest,
+    and both carry the newest pod's annotations (so neither brings or takes a problem).
+    None where ``resolve_job_config`` must run again. In a storm most pod changes are
+    these, and a pass over a job of hundreds of pods is what a decision cost most."""
+    if resolved is None or resolved.config is None or resolved.newest is None:
+        return None
+    newest = resolved.newest
+    for pod in (old, new):
+        if pod is not None and (pod.name == newest.name or pod.annotations != newest.annotations or not is_worker(pod)):
+            return None
+    if new is not None and (new.created_at, new.name) > (newest.created_at, newest.name):
+        return None
+    if old is not None and new is not None and old.node != new.node:
+        return None
+    node = new.node if new is not None else old.node if old is not None else None
+    if node is None:
+        return resolved
+    by_node = dict(resolved.workers_by_node)
+    group = by_node.get(node, ())
+    # In the pods' order, as resolve_job_config groups them: a new pod comes last.
+    if old is None:
+        group = (*group, new)
+    elif new is None:
+        group = tuple(p for p in group if p.name != old.name)
+    else:
+        group = tuple(new if p.name == old.name else p for p in group)
+    if group:
+        by_node[node] = group  # type: ignore[assignment]
+    else:
+        by_node.pop(node, None)
+    return ResolvedConfig(resolved.config, resolved.problems, newest, resolved.rendezvous_pods, by_node)
+
+
 def resolve_job_config(pods: Sequence[PodInfo], defaults: JobDefaults) -> ResolvedConfig:
     """The job's config from its newest worker pod, with every problem found on any pod.
 
