@@ -17,7 +17,7 @@ from controller.jobconfig import ResolvedConfig, update_resolved
 from controller.multimap import index_add, index_discard
 from controller.rounds import HISTORY, JobRound
 from controller.sightings import FirstSeen
-from controller.signals import at_storm_threshold, member_seen_key, signal_key
+from controller.signals import member_seen_key, signal_key, storm_mark
 from regroup import records
 
 
@@ -60,6 +60,10 @@ class JobState:
     the round changes, else updated node by node."""
     sightings: FirstSeen | None = None
     """The job's sightings joined with its nodes' (made once, on the first snapshot)."""
+    storm_k: int = 0
+    """The K ``storm_marks`` are kept for (0: none yet)."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """Node -> ``storm_mark`` of its restarts for ``storm_k`` (nodes with at least K restarts)."""
 
     def empty(self) -> bool:
         return not self.pods and not self.members and self.plan is None and self.progress is None
@@ -67,6 +71,19 @@ class JobState:
     def restarted(self, node: str, count: int, now: float) -> None:
         history = self.restarts.setdefault(node, deque(maxlen=HISTORY))
         history.extend([now] * min(count, HISTORY))
+        if self.storm_k:
+            mark = storm_mark(history, self.storm_k)
+            if mark is not None:
+                self.marks[node] = mark
+
+    def storm_marks(self, k: int) -> dict[str, float]:
+        """Node -> ``storm_mark`` of its restarts for K = ``k``, for the nodes that have one:
+        a node is at the storm threshold while its mark is in the window. Kept as restarts
+        arrive, so the storm rule looks at these few nodes, not at every node's history."""
+        if k != self.storm_k:
+            self.storm_k = k
+            self.marks = {node: times[-k] for node, times in self.restarts.items() if len(times) >= k}
+        return self.marks
 
     def put_pod(self, pod: PodInfo, old: PodInfo | None, now: float) -> bool:
         """Record ``pod`` (``old``: the pod of that name before, if any). Returns whether
@@ -92,8 +109,8 @@ class JobState:
         config = self.resolved.config if self.resolved is not None else None
         if config is None:
             return True
-        times = self.restarts.get(node, ())
-        return at_storm_threshold(times, config.storm_restarts, now - config.storm_window.total_seconds())
+        mark = self.storm_marks(config.storm_restarts).get(node)
+        return mark is not None and mark >= now - config.storm_window.total_seconds()
 
     def remove_pod(self, name: str, now: float) -> PodInfo | None:
         pod = self.pods.pop(name, None)

@@ -202,10 +202,12 @@ def ends_earlier(a: ReclaimNotice, b: ReclaimNotice) -> bool:
     return b.ends_at is None or a.ends_at < b.ends_at
 
 
-def at_storm_threshold(restarts: Sequence[float], k: int, since: float) -> bool:
-    """Whether ``restarts`` (times, oldest first) hold ``k`` restarts at or after ``since``:
-    the restart-storm rule's condition, read by ``decide`` and by the model's wake-ups."""
-    return len(restarts) >= k and restarts[-k] >= since
+def storm_mark(restarts: Sequence[float], k: int) -> float | None:
+    """The time of the ``k``-th newest of ``restarts`` (times, oldest first), None when
+    there are fewer. The restart-storm rule's condition, read by ``decide`` and by the
+    model's wake-ups: a node is at the threshold (``k`` restarts in the window) while its
+    mark is in the window."""
+    return restarts[-k] if len(restarts) >= k else None
 
 
 def signal_key(node: str, what: str) -> str:

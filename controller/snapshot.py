@@ -105,6 +105,9 @@ class JobSnapshot:
     node of the round is known healthy."""
     disrupted: Mapping[str, PodInfo]
     """The job's pods carrying ``DisruptionTarget=True``, by name."""
+    storm_marks: Mapping[str, float]
+    """Node -> the time of its K-th newest restart, for nodes with at least K (K of the
+    resolved config's restart-storm rule; empty without a config): ``signals.storm_mark``."""
 
 
 # --- actions -------------------------------------------------------------------------

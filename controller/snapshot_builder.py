@@ -76,6 +76,7 @@ def build_snapshot(
         verdicts=fleet.verdicts,
         suspects=_suspects(state, fleet, nodes_synced and pods_synced),
         disrupted=state.disrupted,
+        storm_marks=state.storm_marks(config.storm_restarts) if (config := state.resolved.config) else {},
     )
     return snapshot
 

@@ -19,7 +19,6 @@ from controller.jobconfig import JobConfig
 from controller.settings import ControllerSettings
 from controller.signals import (
     ReclaimNotice,
-    at_storm_threshold,
     ends_earlier,
     member_seen_key,
     node_verdict,
@@ -201,8 +200,8 @@ def restart_storms(
     budget = settings.cordon.budget(s.fleet.hosting_nodes)
     cordoned, added = s.fleet.cordoned, set()  # added: cordons this decision asks for
     k, horizon = config.storm_restarts, now - window
-    # Times are in order: the K-th newest restart decides whether K fall in the window.
-    hot = [node for node, times in s.restarts.items() if at_storm_threshold(times, k, horizon)]
+    # Times are in order: the K-th newest restart (its mark) decides whether K fall in the window.
+    hot = [node for node, mark in s.storm_marks.items() if mark >= horizon]
     for node in sorted(hot):
         times = s.restarts[node]
         # The window's restarts, found by bisection: times are in order.

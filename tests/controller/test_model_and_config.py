@@ -270,6 +270,7 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
 
     from controller.decide import decide
     from controller.snapshot import WritePlan
+    from controller.signals import storm_mark
     from controller.suspects import job_suspects
     from regroup.records import RoundState
 
@@ -298,7 +299,9 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
                                               deleting=rng.random() < 0.5, disruption=disruption)
             m.pod_changed(changed)
         elif roll < 0.33:
-            m.pod_changed(pod(node, annotations(2, rng.choice([8, 9])), created=rng.random()))
+            # Now and then with another K of the restart-storm rule (the storm index follows it).
+            notes = annotations(2, rng.choice([8, 9]), restart_storm=rng.choice(["3/10m", "3/10m", "2/10m"]))
+            m.pod_changed(pod(node, notes, created=rng.random()))
         elif roll < 0.4:
             m.pod_deleted(NS, f"{JOB}-{node}")
             restarts.pop(node, None)
@@ -334,6 +337,9 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
         assert (grouped(snap.resolved), snap.resolved.rendezvous_pods) == (
             grouped(fresh), fresh.rendezvous_pods), f"step {step}"
         assert snap.disrupted == {p.name: p for p in snap.pods if p.disruption is not None}, f"step {step}"
+        k = snap.resolved.config.storm_restarts if snap.resolved.config else 0
+        marks = {n: mark for n, times in snap.restarts.items() if (mark := storm_mark(times, k)) is not None} if k else {}
+        assert snap.storm_marks == marks, f"step {step}"
         by_pod: dict[str, set[str]] = {}
         for n, record in snap.members.items():
             by_pod.setdefault(record.pod, set()).add(n)
