@@ -113,9 +113,15 @@ class JobSnapshot:
 # --- actions -------------------------------------------------------------------------
 
 
+AFTER_PREVIOUS_PLAN = -1
+"""``WritePlan.expected_revision`` of a plan a decision starts after ending the one in
+flight: the revision its own previous ``WritePlan`` wrote."""
+
+
 @dataclass(frozen=True)
 class WritePlan:
-    """Compare-and-set ``control/plan`` against ``expected_revision`` (0: must not exist)."""
+    """Compare-and-set ``control/plan`` against ``expected_revision`` (0: must not exist;
+    ``AFTER_PREVIOUS_PLAN``: what this decision's previous plan write left)."""
 
     plan: ReformPlan
     expected_revision: int

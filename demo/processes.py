@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta

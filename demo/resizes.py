@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from demo.analysis import EventImpact, ProgressSample, RunData, ScriptedEvent, event_impacts, scripted_events, step_interval
+from demo.analysis import ProgressSample, RunData, ScriptedEvent, event_impacts, scripted_events, step_interval
 from regroup.records import SCHEMA_VERSION, ReformCause, ReformPlan
 
 

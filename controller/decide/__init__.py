@@ -12,6 +12,7 @@ job's verdict, ``alerts`` the warnings that change nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
@@ -26,7 +27,7 @@ from controller.decide.writes import finish
 from controller.disruption import pod_notices
 from controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig
 from controller.settings import ControllerSettings
-from controller.snapshot import Alerts, Decision, JobSnapshot, PostEvent, WritePresence
+from controller.snapshot import AFTER_PREVIOUS_PLAN, Alerts, Decision, JobSnapshot, PostEvent, WritePresence
 from regroup.records import ControllerPresence, ReformOutcome, ReformPhase
 
 __all__ = ["Decision", "decide", "summarize"]
@@ -89,10 +90,17 @@ def _running(
     restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
     keep_exclusions(s, config, health, now, out)
     joiners = waiting_joiners(s, world, health, now, out)
-    sit = Situation(s, now, settings, config, health, out)
+    sit = Situation(s, now, settings, config, health, out, s.plan_revision)
     plan = s.plan
     if plan is not None and plan.phase != ReformPhase.DONE:
         reason, state, stalled = advance(sit, plan), "reforming", False
+        if out.abandoned:
+            # Decided afresh in the same decision, on the same view: what the job needs now
+            # starts at once, not one trip through the work queue later.
+            afresh = dataclasses.replace(sit, plan_revision=AFTER_PREVIOUS_PLAN)
+            then, stalled = start(afresh, world, joiners, resolved.newest)
+            reason = f"{reason}; then {then}"
+            state = "stalled" if stalled else ("reforming" if out.started_after_end() else "healthy")
     else:
         reason, stalled = start(sit, world, joiners, resolved.newest)
         state = "stalled" if stalled else ("reforming" if out.actions and out.started() else "healthy")

@@ -17,6 +17,8 @@ class Out:
     actions: list[Action] = field(default_factory=list)
     requeue: list[float] = field(default_factory=list)
     """Seconds from now after which to look again."""
+    abandoned: bool = False
+    """This decision ended the plan in flight without completing it (``writes.finish``)."""
 
     def again_in(self, seconds: float) -> None:
         """Look again ``seconds`` from now (at once when negative); the earliest wins."""
@@ -25,6 +27,10 @@ class Out:
     def started(self) -> bool:
         """Whether this decision writes a plan, i.e. starts a re-form."""
         return any(isinstance(a, WritePlan) for a in self.actions)
+
+    def started_after_end(self) -> bool:
+        """Whether this decision, having ended the plan in flight, starts another."""
+        return any(isinstance(a, WritePlan) and not a.finished for a in self.actions)
 
     def decision(self, reason: str, node_count: int, config: JobConfig | None, alerts: Alerts) -> Decision:
         """The collected actions as the ``Decision`` for the job."""

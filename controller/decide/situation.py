@@ -22,3 +22,6 @@ class Situation:
     health: Health
     """The job's nodes classified at ``now`` (restart storms included)."""
     out: Out
+    plan_revision: int
+    """The fencing token a new plan is written against: the snapshot's ``plan_revision``,
+    or ``AFTER_PREVIOUS_PLAN`` once this decision has ended the plan in flight."""

@@ -157,12 +157,12 @@ def _begin(
     if planned:
         plan = ReformPlan(**common, phase=ReformPhase.CHECKPOINT, checkpoint_requested_at=now,
                           checkpoint_deadline=deadline)
-        out.actions.append(WritePlan(plan, s.plan_revision))
+        out.actions.append(WritePlan(plan, sit.plan_revision))
         out.actions.append(WriteCheckpointRequest(checkpoint_request(plan)))
         out.again_in(deadline - now)
     else:
         # Built whole: the plan as it stands once the re-form is requested.
         plan = ReformPlan(**common, **reform_request_fields(s, generation, target, now))
-        out.actions.append(WritePlan(plan, s.plan_revision))
+        out.actions.append(WritePlan(plan, sit.plan_revision))
         reform_writes(plan, out)
         out.again_in(sit.settings.reform.rendezvous_timeout.total_seconds())

@@ -80,7 +80,8 @@ def reform_writes(plan: ReformPlan, out: Out, s: JobSnapshot | None = None) -> N
 def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome, out: Out, why: str) -> str:
     """End the plan. A completed one is told on each of the job's pods (a Normal Event
     ``Resized``); one that did not complete is abandoned loudly (a Warning Event on each of
-    the job's pods; the trace and the metric carry ``why``) and decided afresh at once."""
+    the job's pods; the trace and the metric carry ``why``), and the decision goes on to
+    start what the job needs now (``out.abandoned``)."""
     done = dataclasses.replace(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
     if outcome == ReformOutcome.COMPLETED:
@@ -88,5 +89,5 @@ def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome,
     else:
         what = f"re-form {plan.generation} ({plan.cause.value}, phase {plan.phase.value})"
         out.actions.append(PostPodEvents(s.pods, "Warning", "ReformAbandoned", f"{what} abandoned, {outcome.value}: {why}"))
-        out.again_in(0)
+        out.abandoned = True
     return f"re-form {plan.generation} {outcome.value}: {why}"

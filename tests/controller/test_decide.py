@@ -11,6 +11,7 @@ from controller.cluster import NodeInfo, Taint
 from controller.settings import ControllerSettings
 from controller.signals import RECLAIM_SIGNALS
 from controller.snapshot import (
+    AFTER_PREVIOUS_PLAN,
     Cordon,
     DeletePod,
     PostEvent,
@@ -261,16 +262,27 @@ def test_a_plan_that_times_out_says_nothing_of_how_the_trainer_resumed() -> None
     assert s.plan.outcome == "timeout" and (s.plan.mode, s.plan.resume_phases) == ("", {})
 
 
-def test_a_target_lost_during_rendezvous_supersedes_the_plan() -> None:
+def test_a_target_lost_during_rendezvous_supersedes_the_plan_and_the_same_decision_goes_on() -> None:
     s, _ = step(job(("n1", "n2", "n3")).without_member("n3"), T0)
     s, d = step(s.without_member("n2"), T0 + 1)
-    assert s.plan.outcome == "superseded" and d.requeue_after == timedelta(0)
+    assert s.plan.outcome == "superseded" and s.plan.why == "n2 lost during the rendezvous"
+    # Decided afresh in the same decision: one node is left, below min, so the job stalls
+    # (no new plan, and nothing to look at again at once).
+    assert len(of(d.actions, WritePlan)) == 1 and s.status.state == "stalled"
+    assert d.reason.endswith("then stalled: lost n2 (member lease expired), n3 (member lease expired): "
+                             "1 nodes left, below min 2")
+    assert d.requeue_after != timedelta(0)
 
 
-def test_rendezvous_timeout_finishes_the_plan() -> None:
+def test_rendezvous_timeout_finishes_the_plan_and_starts_the_next_after_it() -> None:
     s, _ = step(job().without_member("n3"), T0)
-    s, _ = step(s, T0 + S.reform.rendezvous_timeout.total_seconds())
-    assert s.plan.outcome == "timeout"
+    generation = s.plan.generation
+    s, d = step(s, T0 + S.reform.rendezvous_timeout.total_seconds())
+    ended, started = of(d.actions, WritePlan)
+    assert ended.plan.outcome == "timeout" and ended.finished and ended.expected_revision == s.plan_revision - 2
+    # The next plan is written against the revision the ended one leaves.
+    assert started.expected_revision == AFTER_PREVIOUS_PLAN and not started.finished
+    assert (s.plan.generation, s.plan.phase, s.plan.nodes_after) == (generation + 1, "rendezvous", ["n1", "n2"])
 
 
 def test_controller_presence_is_written_when_missing() -> None:

@@ -9,11 +9,10 @@ for a trainer size that could never come.
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
 
 from controller.cluster import NodeInfo
 from controller.settings import ControllerSettings
-from controller.snapshot import PostPodEvents, WriteCheckpointRequest, WriteExclusions, WritePlan
+from controller.snapshot import AFTER_PREVIOUS_PLAN, PostPodEvents, WriteCheckpointRequest, WriteExclusions, WritePlan
 
 from .builders import T0, acked, decide, job, member, of, with_taint
 from .builders import step as reconcile
@@ -45,17 +44,18 @@ def test_a_round_of_other_nodes_than_planned_abandons_the_plan_and_decides_again
     generation = s.plan.generation
     # The reclaimed node came back before the planned round: round 2 has all three.
     s, d = step(_round(s, 2, ["n1", "n2", "n3"]), T0 + 3)
-    assert s.plan.phase == "done" and s.plan.outcome == "superseded"
-    assert s.plan.why == "round 2 formed with n1, n2, n3, not the planned n1, n3"
+    ended, plan = of(d.actions, WritePlan)
+    assert ended.plan.phase == "done" and ended.plan.outcome == "superseded"
+    assert ended.plan.why == "round 2 formed with n1, n2, n3, not the planned n1, n3"
     [events] = [e for e in of(d.actions, PostPodEvents) if e.reason == "ReformAbandoned"]
     assert sorted(pod.name for pod in events.pods) == ["llama-n1", "llama-n2", "llama-n3"]
     assert events.type_ == "Warning" and "phase rendezvous" in events.message
-    assert d.requeue_after == timedelta(0)
-    # Decided afresh at once: n2 still carries its notice, so a new planned shrink starts.
-    s, d = step(s, T0 + 3)
-    [plan] = of(d.actions, WritePlan)
+    # Decided afresh in the same decision: n2 still carries its notice, so a new planned
+    # shrink starts, written after the ended plan.
     assert plan.plan.generation == generation + 1 and plan.plan.phase == "checkpoint"
     assert plan.plan.nodes_after == ["n1", "n3"] and of(d.actions, WriteCheckpointRequest)
+    assert d.actions.index(ended) < d.actions.index(plan) and plan.expected_revision == AFTER_PREVIOUS_PLAN
+    assert s.plan == plan.plan and s.status.state == "reforming"
 
 
 def test_the_planned_round_completes_the_rendezvous_phase_as_before() -> None:
@@ -72,8 +72,9 @@ def test_a_newer_round_of_other_nodes_before_the_trainer_resumed_abandons_the_pl
     s, d = step(_round(s, 3, ["n1", "n3"]), T0 + 4)
     assert s.plan.phase == "resume" and d.requeue_after is not None
     # ... one with other nodes cannot give the planned size: abandoned, not waited on.
-    s, _ = step(_round(s, 4, ["n1", "n2", "n3"]), T0 + 5)
-    assert s.plan.outcome == "superseded" and "before the trainer resumed" in s.plan.why
+    s, d = step(_round(s, 4, ["n1", "n2", "n3"]), T0 + 5)
+    ended = of(d.actions, WritePlan)[0].plan
+    assert ended.outcome == "superseded" and "before the trainer resumed" in ended.why
 
 
 def test_every_phase_ends_by_its_deadline() -> None:
@@ -83,7 +84,8 @@ def test_every_phase_ends_by_its_deadline() -> None:
     s, d = step(s, deadline)  # no ack: unplanned fallback, never a wait past the deadline
     assert s.plan.phase == "rendezvous" and s.plan.fallback
     s, d = step(s, T0 + 1 + deadline - T0 + S.reform.rendezvous_timeout.total_seconds())
-    assert s.plan.outcome == "timeout" and s.plan.why == "expected members did not all join the new round"
+    ended = of(d.actions, WritePlan)[0].plan
+    assert ended.outcome == "timeout" and ended.why == "expected members did not all join the new round"
     [events] = [e for e in of(d.actions, PostPodEvents) if e.reason == "ReformAbandoned"]
     assert len(events.pods) == 3
 

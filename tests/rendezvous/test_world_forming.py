@@ -7,7 +7,6 @@ node's channel (``world.json``), exactly as ``InPlaceAgent`` does.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
