@@ -56,7 +56,9 @@ class EventRecorder:
         self.actuator = actuator
         self.metrics = metrics
         self.capacity = capacity
-        self._queue: deque[tuple[Sequence[ObjectRef], EventType, str, str]] = deque()
+        self._queue: deque[tuple[Sequence[ObjectRef | PodInfo], EventType, str, str]] = deque()
+        """Events to post: their subjects (pods' Event references are taken when posted),
+        type, reason and message."""
         self._queued = 0
         """Events in the queue (an entry for a job's pods holds one per pod)."""
         self._wake = asyncio.Event()
@@ -78,7 +80,7 @@ class EventRecorder:
     ) -> None:
         """Tell a job-level Event on each of ``pods`` (the job is the filters' subject)."""
         if pods and self._admit(("Job", *job), reason, message, now):
-            self._enqueue([pod.ref for pod in pods], type_, reason, message)
+            self._enqueue(pods, type_, reason, message)
 
     def _admit(self, subject: tuple[str, ...], reason: str, message: str, now: float) -> bool:
         key = (*subject, reason, message)
@@ -119,7 +121,7 @@ class EventRecorder:
             del seen[oldest]
         return True
 
-    def _enqueue(self, refs: Sequence[ObjectRef], type_: EventType, reason: str, message: str) -> None:
+    def _enqueue(self, refs: Sequence[ObjectRef | PodInfo], type_: EventType, reason: str, message: str) -> None:
         if self._queued + len(refs) > self.capacity:
             self._dropped("queue-full", len(refs))
             return
@@ -140,8 +142,9 @@ class EventRecorder:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                refs, type_, reason, message = self._queue.popleft()
-                for ref in refs:
+                subjects, type_, reason, message = self._queue.popleft()
+                for subject in subjects:
+                    ref = subject.ref if isinstance(subject, PodInfo) else subject
                     try:
                         await self.actuator.post_event(ref, type_, reason, message)
                     except asyncio.CancelledError:
@@ -152,6 +155,9 @@ class EventRecorder:
                                     error=f"{type(exc).__name__}: {exc}")
                     finally:
                         self._queued -= 1
+                # Decisions go first: an API server that answers at once (or a recorder
+                # that only drops) never holds the loop for a whole queue.
+                await asyncio.sleep(0)
             self._idle.set()
 
     async def posted(self) -> None:

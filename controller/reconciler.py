@@ -10,6 +10,7 @@ back-off; nothing is retried blindly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ class Reconciler:
         decision = decide(snapshot, now, self.settings)
         if self._reasons.get(job) != decision.reason:
             self._reasons[job] = decision.reason
-            log.info("decision", namespace=job[0], job=job[1], reason=decision.reason,
-                     actions=dict(summarize(decision.actions)))
+            if log.is_enabled_for(logging.INFO):  # the reason moves with most decisions of a storm
+                log.info("decision", namespace=job[0], job=job[1], reason=decision.reason,
+                         actions=dict(summarize(decision.actions)))
         self._export_gauges(job, decision)
         try:
             for action in decision.actions:
@@ -202,8 +204,9 @@ class Reconciler:
             revision = await self.writer.compare_and_put(self._keys(job).plan, action.plan.to_json(), expected)
         self.model.own_write(job, KeyKind.PLAN, action.plan, revision)
         plan = action.plan
-        log.info("re-form " + plan.phase.value, namespace=job[0], job=job[1], generation=plan.generation,
-                 cause=plan.cause.value, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
+        if log.is_enabled_for(logging.INFO):
+            log.info("re-form " + plan.phase.value, namespace=job[0], job=job[1], generation=plan.generation,
+                     cause=plan.cause.value, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
         if action.finished:
             self._finished(job, plan)
 

@@ -62,7 +62,14 @@ TRACED_PHASES: tuple[str, ...] = (
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-"""Field names per record class, cached for ``Record.to_json``."""
+"""Field names per record class, cached for ``Record.to_json`` and ``Record.from_json``."""
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def _nested(value: Any) -> Any:
@@ -85,11 +92,8 @@ class Record:
     def to_json(self) -> bytes:
         # A shallow dict: records are flat, and ``dataclasses.asdict`` deep-copies every
         # field (the controller writes several records per decision). Same bytes.
-        names = _FIELD_NAMES.get(type(self))
-        if names is None:
-            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in dataclasses.fields(self))
         body = {"v": SCHEMA_VERSION, "kind": self.kind}
-        for name in names:
+        for name in _field_names(type(self)):
             body[name] = getattr(self, name)
         return json.dumps(body, separators=(",", ":"), sort_keys=True, default=_nested).encode()
 
@@ -110,9 +114,8 @@ class Record:
             )
         if body.get("kind", cls.kind) != cls.kind:
             raise RecordError(f"expected a {cls.kind} record, got {body.get('kind')!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{k: v for k, v in body.items() if k in names})
+            return cls(**{name: body[name] for name in _field_names(cls) if name in body})
         except (TypeError, ValueError) as exc:  # ValueError: a value an enum field does not know
             raise RecordError(f"{cls.kind}: {exc}") from exc
 

@@ -12,7 +12,6 @@ job's verdict, ``alerts`` the warnings that change nothing else.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
@@ -97,7 +96,7 @@ def _running(
         if out.abandoned:
             # Decided afresh in the same decision, on the same view: what the job needs now
             # starts at once, not one trip through the work queue later.
-            afresh = dataclasses.replace(sit, plan_revision=AFTER_PREVIOUS_PLAN)
+            afresh = Situation(s, now, settings, config, health, out, AFTER_PREVIOUS_PLAN)
             then, stalled = start(afresh, world, joiners, resolved.newest)
             reason = f"{reason}; then {then}"
             state = "stalled" if stalled else ("reforming" if out.started_after_end() else "healthy")
