@@ -112,6 +112,11 @@ class JobState:
         mark = self.storm_marks(config.storm_restarts).get(node)
         return mark is not None and mark >= now - config.storm_window.total_seconds()
 
+    def in_storm(self, node: str, now: float) -> bool:
+        """Whether ``node`` is known to be at the restart-storm threshold (False while the
+        job's config is not resolved, where ``storming`` says True to be safe)."""
+        return self.resolved is not None and self.resolved.config is not None and self.storming(node, now)
+
     def remove_pod(self, name: str, now: float) -> PodInfo | None:
         pod = self.pods.pop(name, None)
         self.pods_view = None

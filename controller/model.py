@@ -6,6 +6,14 @@ a job (``JobState``) and their indexes, and names the jobs it concerns through
 ``on_dirty``; the model never decides anything. It stamps the first time it sees each
 signal (a taint, a lost member, a joiner), because that moment starts a re-form's
 ``detect`` phase and, for taints without ``timeAdded``, its notice.
+
+A restart alone (a container's or a rank's restart count going up) wakes a decision only
+when it brings its node to the job's restart-storm threshold. Short of it, the storm rule
+reads nothing else a restart changes. Past it, the node is in a storm already: the
+decision that found it there cordoned it, asked for its pods' deletion and to look again
+when its window ends, and a later restart only keeps it in the storm longer (a
+crash-looping node restarts many times a window; each would wake every job on it for
+nothing).
 """
 
 from __future__ import annotations
@@ -140,10 +148,11 @@ class ClusterModel:
             return
         self.fleet.pod_placed(key, job_id, old.node if old is not None else None, pod.node)
         now = self._clock()
+        in_storm = pod.node is not None and state.in_storm(pod.node, now)
         if state.put_pod(pod, old, now):
             refresh(state, self.fleet, state.nodes_naming(pod.name))
-        elif pod.node is not None and not state.storming(pod.node, now):
-            return  # a restart that leaves its node short of a restart storm: decide reads nothing else it changed
+        elif pod.node is not None and (in_storm or not state.storming(pod.node, now)):
+            return  # a restart alone, short of a storm or in one already (module docstring)
         self._on_dirty(job_id)
 
     def pod_deleted(self, namespace: str, name: str) -> None:
@@ -213,15 +222,16 @@ class ClusterModel:
         if isinstance(record, MemberRecord):
             node = params["node"]
             old = state.members.get(node)
+            in_storm = state.in_storm(node, now)
             state.put_member(node, record, now)
             self.fleet.member_added(node, job_id)
             if state.round.member_put(node, record, state.members, state.plan, now):
                 state.suspects = None
                 return True
             # Same round: the round's other nodes read nothing this member changed, and a
-            # rank restart short of a restart storm changes nothing decide reads.
+            # rank restart alone wakes a decision only as it brings a storm (module docstring).
             refresh(state, self.fleet, (node,))
-            return old is None or not restart_only(old, record) or state.storming(node, now)
+            return old is None or not restart_only(old, record) or (not in_storm and state.storming(node, now))
         if isinstance(record, RoundState):
             changed, moved = state.round.formed(record, state.members, now)
             if moved:

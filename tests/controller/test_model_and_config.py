@@ -82,7 +82,7 @@ def test_restarts_count_from_member_records_and_pod_restart_counts() -> None:
     assert (NS, JOB) in dirty
 
 
-def test_a_restart_short_of_a_storm_wakes_no_decision_and_the_one_that_makes_it_does() -> None:
+def test_only_the_restart_that_makes_a_storm_wakes_a_decision() -> None:
     m, clock, dirty = model()
     m.snapshot((NS, JOB))  # a decision resolved the job's config: K = 3 restarts within 10 minutes
     dirty.clear()
@@ -93,10 +93,21 @@ def test_a_restart_short_of_a_storm_wakes_no_decision_and_the_one_that_makes_it_
     # The third restart within the window is a storm: the rule must see it.
     m.etcd_put(KEYS.member("n2"), member("n2", 1, restarts=2).to_json(), 10)
     assert dirty == [(NS, JOB)]
-    # Anything besides the count still wakes the job, below the threshold or not.
+    # Later restarts of the crash-looping node keep it in the storm: they wake no one, and
+    # the storm rule still counts them.
     dirty.clear()
+    clock.now += 5
+    m.pod_changed(pod("n2", restart_count=3))
+    m.etcd_put(KEYS.member("n2"), member("n2", 1, restarts=3).to_json(), 11)
+    assert dirty == [] and m.snapshot((NS, JOB)).storm_marks["n2"] == T0 + 10
+    # Once its window has passed, the next restart starts counting afresh.
+    clock.now += 700
+    m.pod_changed(pod("n2", restart_count=4))
+    assert dirty == []
+    # Anything besides the count still wakes the job, below the threshold, in a storm or not.
+    m.pod_changed(pod("n2", restart_count=4, deleting=True))
     m.pod_changed(pod("n3", restart_count=1, deleting=True))
-    assert dirty == [(NS, JOB)]
+    assert dirty == [(NS, JOB), (NS, JOB)]
 
 
 def test_signals_are_stamped_when_first_seen_and_forgotten_when_gone() -> None:
