@@ -161,10 +161,9 @@ async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:
             nonlocal seen
             listing = await raw.request("GET", path, {**query, "limit": 500})
             version = listing["metadata"]["resourceVersion"]
-            async for event in raw.watch(path, {**query, "resourceVersion": version, "allowWatchBookmarks": True,
-                                                 "timeoutSeconds": 3600}, timeout=3600):
-                if event.get("type") != "BOOKMARK":
-                    seen += 1
+            async for events in raw.watch(path, {**query, "resourceVersion": version, "allowWatchBookmarks": True,
+                                                  "timeoutSeconds": 3600}, timeout=3600):
+                seen += sum(1 for event in events if event.get("type") != "BOOKMARK")
 
         tasks = [asyncio.create_task(consume("/api/v1/nodes", {})),
                  asyncio.create_task(consume("/api/v1/pods", {"labelSelector": "regroup.dev/job"}))]

@@ -81,16 +81,24 @@ class RawKube:
         finally:
             response.release()
 
-    async def watch(self, path: str, query: Mapping[str, Any], timeout: float) -> AsyncIterator[dict[str, Any]]:
-        """Watch events (``{"type", "object"}``) until the server ends the stream."""
+    async def watch(self, path: str, query: Mapping[str, Any], timeout: float) -> AsyncIterator[list[dict[str, Any]]]:
+        """Watch events (``{"type", "object"}``) until the server ends the stream, in the
+        batches the stream delivers them: everything a read returns, decoded at once (a
+        storm's events arrive many to a read, and a step of this iterator per event would
+        cost as much as decoding it)."""
         timeouts = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout)
         response = await self._send("GET", path, {**query, "watch": True}, None, "application/json", timeouts)
         try:
             if not 200 <= response.status <= 299:
                 raw = await response.read()
                 raise KubeError("WATCH", path, response.status, raw.decode(errors="replace"))
-            async for line in response.content:
-                if line.strip():
-                    yield json.loads(line)
+            partial = b""
+            async for chunk in response.content.iter_any():
+                *lines, partial = (partial + chunk).split(b"\n")
+                events = [json.loads(line) for line in lines if line.strip()]
+                if events:
+                    yield events
+            if partial.strip():
+                yield [json.loads(partial)]
         finally:
             response.release()

@@ -88,17 +88,18 @@ class KubeSource:
                 remaining = self._settings.resync.total_seconds() - (loop.time() - listed_at)
                 window = max(1, int(min(self._settings.watch_timeout.total_seconds(), remaining)))
                 watch_query = {**query, "resourceVersion": version, "allowWatchBookmarks": True, "timeoutSeconds": window}
-                async for event in self._raw.watch(path, watch_query, timeout=window + 30):
-                    kind_of, obj = event.get("type"), event.get("object") or {}
-                    if kind_of == "ERROR":
-                        if obj.get("code") == 410:
-                            raise _Gone(obj.get("message", "410 Gone"))
-                        raise KubeError("WATCH", path, int(obj.get("code", 500)), obj.get("message", ""))
-                    version = (obj.get("metadata") or {}).get("resourceVersion", version)
-                    if kind_of in ("ADDED", "MODIFIED"):
-                        changed(obj)
-                    elif kind_of == "DELETED":
-                        deleted(obj)
+                async for events in self._raw.watch(path, watch_query, timeout=window + 30):
+                    for event in events:
+                        kind_of, obj = event.get("type"), event.get("object") or {}
+                        if kind_of == "ERROR":
+                            if obj.get("code") == 410:
+                                raise _Gone(obj.get("message", "410 Gone"))
+                            raise KubeError("WATCH", path, int(obj.get("code", 500)), obj.get("message", ""))
+                        version = (obj.get("metadata") or {}).get("resourceVersion", version)
+                        if kind_of in ("ADDED", "MODIFIED"):
+                            changed(obj)
+                        elif kind_of == "DELETED":
+                            deleted(obj)
                 delay = self._settings.backoff.total_seconds()
             except asyncio.CancelledError:
                 raise
