@@ -87,6 +87,10 @@ class ReconcileLoop:
             if self.observer is not None and outcome is not None:
                 self.observer(job, outcome.decision, self.queue.clock() - added)
             self._requeue(job, outcome)
+            # A decision whose writes all returned at once never gave the loop back: let the
+            # watches deliver what arrived meanwhile, so a signal for a job still queued is
+            # folded into that job's coming decision instead of waiting for the whole queue.
+            await asyncio.sleep(0)
 
     def _requeue(self, job: JobId, outcome: Outcome | None) -> None:
         delay = outcome.requeue_after if outcome is not None else timedelta(seconds=1)
