@@ -9,7 +9,7 @@ from typing import Any
 from controller.cluster import NodeInfo, Taint
 
 from .harness import Harness, latency_summary, offer, peak_rss_mb
-from .storm import NAMESPACE, Event, Layout, encoded, pod_info, storm
+from .storm import NAMESPACE, Event, Layout, pod_info, replayed
 
 
 async def direct_harness(layout: Layout, workers: int) -> Harness:
@@ -65,7 +65,7 @@ async def run_direct(
     them. Latency: a second storm offered at ``rate`` events/s, every decision timed."""
     h = await direct_harness(layout, workers)
     feed = DirectFeed(h, layout)
-    events = [encoded(layout, h.settings.etcd_prefix, e) for e in storm(layout, count, seed)]
+    events = replayed(layout, h.settings.etcd_prefix, count, seed)
     start, cpu = time.perf_counter(), time.process_time()
     for i, event in enumerate(events):
         feed(event)
@@ -81,7 +81,7 @@ async def run_direct(
 
     h = await direct_harness(layout, workers)
     feed = DirectFeed(h, layout)
-    paced = [encoded(layout, h.settings.etcd_prefix, e) for e in storm(layout, paced_count, seed + 1)]
+    paced = replayed(layout, h.settings.etcd_prefix, paced_count, seed + 1)
     start, cpu = time.perf_counter(), time.process_time()
     await offer(paced, rate, feed)
     await h.drained()

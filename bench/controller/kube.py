@@ -19,7 +19,7 @@ from typing import Any
 from .direct import paced_summary
 from .harness import Harness, offer, peak_rss_mb
 from .standin_process import NODE_EVENTS, StandinProcess, kube_event_count
-from .storm import Event, Layout, encoded, storm
+from .storm import Event, Layout, replayed, storm
 
 START_AHEAD_S = 0.5
 """How far ahead of now a paced storm starts: both processes are at their marks by then."""
@@ -108,7 +108,7 @@ async def _all_seen(sink: StampingSink, expected: int) -> None:
 async def run_http(layout: Layout, count: int, seed: int, workers: int) -> dict[str, Any]:
     """Throughput: the storm written as fast as the stand-in takes it."""
     async with watched(layout, workers) as (standin, h, sink, list_seconds):
-        events = [encoded(layout, h.settings.etcd_prefix, e) for e in storm(layout, count, seed)]
+        events = replayed(layout, h.settings.etcd_prefix, count, seed)
         kube_events = sink.expect(events)
         expected = sink.seen + kube_events
         start, cpu = time.perf_counter(), time.process_time()
@@ -129,7 +129,7 @@ async def run_http_paced(layout: Layout, seed: int, workers: int, rate: float, c
     """Latency: a storm offered at ``rate`` events/s to a fresh stand-in, every decision
     timed from the moment each event was due to be written there."""
     async with watched(layout, workers) as (standin, h, sink, _):
-        paced = [encoded(layout, h.settings.etcd_prefix, e) for e in storm(layout, count, seed + 1)]
+        paced = replayed(layout, h.settings.etcd_prefix, count, seed + 1)
         start = time.perf_counter() + START_AHEAD_S
         expected = sink.seen + sink.expect(paced, start, rate)
         written = asyncio.create_task(standin.write(seed + 1, count, rate, start))
