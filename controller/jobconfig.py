@@ -204,8 +204,9 @@ class ResolvedConfig:
 def update_resolved(resolved: ResolvedConfig | None, old: PodInfo | None, new: PodInfo | None) -> ResolvedConfig | None:
     """``resolved`` after pod ``old`` became ``new`` (``old`` None: added; ``new`` None:
     removed), without a pass over the job's pods, where the change moves nothing but the
-    pod itself: both are workers on the same node, neither is nor would become the newest,
-    and both carry the newest pod's annotations (so neither brings or takes a problem).
+    pod itself: both are workers on the same node, neither is the newest (a new pod may
+    become it), and both carry the newest pod's annotations (so neither brings or takes a
+    problem, nor changes the config).
     None where ``resolve_job_config`` must run again. In a storm most pod changes are
     these, and a pass over a job of hundreds of pods is what a decision cost most."""
     if resolved is None or resolved.config is None or resolved.newest is None:
@@ -215,7 +216,12 @@ def update_resolved(resolved: ResolvedConfig | None, old: PodInfo | None, new: P
         if pod is not None and (pod.name == newest.name or pod.annotations != newest.annotations or not is_worker(pod)):
             return None
     if new is not None and (new.created_at, new.name) > (newest.created_at, newest.name):
-        return None
+        # A pod created since (a replaced pod is the newest) with the same annotations: it
+        # is the newest now, and the config it gives is the same. Problems name the newest
+        # pod, so only a job without any keeps them as they are.
+        if new.deleting or resolved.problems:
+            return None
+        newest = new
     if old is not None and new is not None and old.node != new.node:
         return None
     node = new.node if new is not None else old.node if old is not None else None
