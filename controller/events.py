@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -44,6 +44,35 @@ QUEUE_CAPACITY = 1000
 """Events waiting to be posted (client-go's ``maxQueuedEvents``)."""
 
 
+class SpamFilter:
+    """A token bucket per subject (client-go's spam filter): ``burst`` at once, then one
+    more each ``refill``. Subjects whose bucket is full again are forgotten."""
+
+    def __init__(self, burst: int = SPAM_BURST, refill: timedelta = SPAM_REFILL) -> None:
+        self.burst = float(burst)
+        self.refill = refill.total_seconds()
+        self._buckets: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
+        """Subject -> (tokens left, when counted), least recently counted first."""
+
+    def allow(self, subject: Hashable, now: float) -> bool:
+        """Spend one of ``subject``'s tokens if it has one."""
+        buckets, refill, burst = self._buckets, self.refill, self.burst
+        tokens, since = buckets.get(subject, (burst, now))
+        tokens = min(burst, tokens + (now - since) / refill)
+        while buckets:
+            oldest = next(iter(buckets))
+            if now - buckets[oldest][1] < burst * refill:
+                break
+            del buckets[oldest]
+        allowed = tokens >= 1.0
+        buckets[subject] = (tokens - 1.0 if allowed else tokens, now)
+        buckets.move_to_end(subject)
+        return allowed
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
 class EventRecorder:
     """Deduplicates, rate-limits and queues Events; ``run`` posts them through ``actuator``."""
 
@@ -66,8 +95,7 @@ class EventRecorder:
         self._idle.set()
         self._seen: OrderedDict[tuple[str, ...], float] = OrderedDict()
         """Event key -> when it was last posted, oldest first."""
-        self._tokens: OrderedDict[tuple[str, ...], tuple[float, float]] = OrderedDict()
-        """Subject -> (tokens left, when counted), least recently counted first."""
+        self._spam = SpamFilter()
         self._drop_counters: dict[str, Any] = {}
 
     def record(self, ref: ObjectRef, type_: EventType, reason: str, message: str, now: float) -> None:
@@ -86,19 +114,7 @@ class EventRecorder:
         key = (*subject, reason, message)
         if not self._due(key, now):
             return False
-        buckets, refill = self._tokens, SPAM_REFILL.total_seconds()
-        tokens, since = buckets.get(subject, (float(SPAM_BURST), now))
-        tokens = min(float(SPAM_BURST), tokens + (now - since) / refill)
-        # A subject not counted for a whole refill of its burst is full again: forget it.
-        while buckets:
-            oldest = next(iter(buckets))
-            if now - buckets[oldest][1] < SPAM_BURST * refill:
-                break
-            del buckets[oldest]
-        admitted = tokens >= 1.0
-        buckets[subject] = (tokens - 1.0 if admitted else tokens, now)
-        buckets.move_to_end(subject)
-        if not admitted:
+        if not self._spam.allow(subject, now):
             self._dropped("rate-limited")
             return False
         self._seen[key] = now

@@ -21,7 +21,7 @@ import structlog
 
 from controller.cluster import ClusterActuator
 from controller.decide import decide, summarize
-from controller.events import EventRecorder
+from controller.events import EventRecorder, SpamFilter
 from controller.metrics import ControllerMetrics
 from controller.model import ClusterModel, JobId
 from controller.settings import ControllerSettings
@@ -108,6 +108,9 @@ class Reconciler:
         self.clock = clock
         self.events = EventRecorder(actuator, metrics)
         """Where the decisions' Events go; its ``run`` posts them (a task beside the workers)."""
+        self._abandon_logs = SpamFilter()
+        self._unlogged: dict[JobId, int] = {}
+        """Job -> its abandoned re-forms the spam filter kept out of the log since the last line."""
         self._reasons: dict[JobId, str] = {}
         self._rounds: dict[JobId, int] = {}
         self._cordon_lock = asyncio.Lock()
@@ -222,8 +225,15 @@ class Reconciler:
         if plan.outcome != ReformOutcome.COMPLETED:
             phase = _abandoned_in(plan).value
             child(m.abandoned, job[0], job[1], cause, phase, plan.outcome.value).inc()
-            log.warning("re-form abandoned", namespace=job[0], job=job[1], generation=plan.generation,
-                        phase=phase, outcome=plan.outcome.value, why=plan.why)
+            # Metrics and traces count every one; the log line follows a spam filter per
+            # job (a storm can supersede a job's plans many times a second).
+            if self._abandon_logs.allow(job, plan.finished_at):
+                unlogged = self._unlogged.pop(job, 0)
+                log.warning("re-form abandoned", namespace=job[0], job=job[1], generation=plan.generation,
+                            phase=phase, outcome=plan.outcome.value, why=plan.why,
+                            **({"unlogged_before": unlogged} if unlogged else {}))
+            else:
+                self._unlogged[job] = self._unlogged.get(job, 0) + 1
         for phase, (start, end) in phase_times(plan).items():
             child(m.phase_duration, cause, phase).observe(max(0.0, end - start))
         emit_reform_trace(self.tracer_provider, job[0], job[1], plan)

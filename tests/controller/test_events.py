@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
+import structlog
 
 from controller.cluster import ObjectRef
 from controller.events import EVENT_MEMORY, SPAM_BURST, SPAM_REFILL, EventRecorder
@@ -127,3 +129,43 @@ async def test_a_decision_does_not_wait_for_its_events() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_abandoned_re_forms_are_all_counted_and_logged_within_a_budget_per_job() -> None:
+    """A storm supersedes a job's plans many times a second: metrics count each one, the
+    warning log takes a burst per job and then says how many it left out."""
+    import dataclasses
+
+    from structlog.testing import capture_logs
+
+    from regroup.records import ReformCause, ReformOutcome, ReformPhase, ReformPlan
+
+    metrics = ControllerMetrics()
+    reconciler = Reconciler(ClusterModel(lambda: T0, lambda job: None), ControllerSettings(), None, Api(),  # type: ignore[arg-type]
+                            metrics)
+    plan = ReformPlan(generation=1, cause=ReformCause.NODE_LOST, planned=False, reason="lost n3", nodes_before=["n1", "n2"],
+                      nodes_after=["n1"], trace_id="1" * 32, detected_at=T0, decided_at=T0, round_before=1,
+                      phase=ReformPhase.DONE, reform_requested_at=T0, outcome=ReformOutcome.SUPERSEDED, why="n2 lost")
+
+    def abandon(generation: int, at: float, job: str = JOB) -> None:
+        reconciler._finished((NS, job), dataclasses.replace(plan, generation=generation, finished_at=at))
+
+    saved = structlog.get_config()
+    try:
+        # Whatever level the suite's other in-process runs configured, warnings are let through.
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+                            cache_logger_on_first_use=False)
+        with capture_logs() as logs:
+            for g in range(SPAM_BURST + 5):
+                abandon(g, T0 + g * 0.01)
+            abandon(0, T0 + 1, job="other")  # another job has its own budget
+            abandon(99, T0 + 1 + SPAM_REFILL.total_seconds())
+    finally:
+        structlog.configure(**saved)
+    lines = [e for e in logs if e["event"] == "re-form abandoned"]
+    assert [e["generation"] for e in lines if e["job"] == JOB] == [*range(SPAM_BURST), 99]
+    assert "unlogged_before" not in lines[0] and lines[-1]["unlogged_before"] == 5
+    assert [e["job"] for e in lines].count("other") == 1
+    counted = sample(metrics, "regroup_reforms_abandoned_total", namespace=NS, job=JOB, cause="node-lost",
+                     phase="rendezvous", outcome="superseded")
+    assert counted == SPAM_BURST + 6
