@@ -1,13 +1,18 @@
-"""``control/status``: the controller's verdict on the job, written only when it changes."""
+"""``control/status``: the controller's verdict on the job, written only when it changes (its
+node list alone, at most once a second)."""
 
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
+from datetime import timedelta
 
 from controller.decide.out import Out
 from controller.jobconfig import JobConfig
 from controller.snapshot import JobSnapshot, WriteStatus
 from regroup.records import JobStatus
+
+NODES_EVERY = timedelta(seconds=1)
+"""How often at most the status is rewritten when nothing but its nodes changed."""
 
 
 def write_status(
@@ -21,28 +26,31 @@ def write_status(
     flapping: bool = False,
     gpu: bool = False,
 ) -> None:
-    """Ask for a ``control/status`` write when anything but the reason differs from the stored one."""
+    """Ask for a ``control/status`` write when anything but the reason differs from the
+    stored one; when only its nodes differ, at most once every ``NODES_EVERY``."""
     alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
     min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
     old = s.status
-    # The reason alone changing (counts, phases) is not worth a write per decision. The
-    # stored nodes are sorted; equal sizes and containment compare them without sorting
-    # (a decision in a storm is cheaper by that sort).
-    if (
-        old is None
-        or (old.state, old.node_count, old.min_nodes, old.max_nodes, old.alerts)
-        != (state, len(nodes), min_nodes, max_nodes, alerts)
-        or len(old.nodes) != len(nodes)
-        or not all(map(nodes.__contains__, old.nodes))
-    ):
-        status = JobStatus(
-            state=state,
-            reason=reason,
-            node_count=len(nodes),
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            nodes=sorted(nodes),
-            alerts=alerts,
-            updated_at=now,
-        )
-        out.actions.append(WriteStatus(status))
+    # The reason alone changing (counts, phases) is not worth a write per decision.
+    if old is not None and (old.state, old.min_nodes, old.max_nodes, old.alerts) == (state, min_nodes, max_nodes, alerts):
+        # The stored nodes are sorted; equal sizes and containment compare them without
+        # sorting (a decision in a storm is cheaper by that sort).
+        if len(old.nodes) == len(nodes) and all(map(nodes.__contains__, old.nodes)):
+            return
+        # Nodes flapping under a storm would rewrite the record with nearly every decision:
+        # the last of them is written once the interval has passed.
+        wait = old.updated_at + NODES_EVERY.total_seconds() - now
+        if wait > 0:
+            out.again_in(wait)
+            return
+    status = JobStatus(
+        state=state,
+        reason=reason,
+        node_count=len(nodes),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nodes=sorted(nodes),
+        alerts=alerts,
+        updated_at=now,
+    )
+    out.actions.append(WriteStatus(status))

@@ -329,3 +329,21 @@ def test_the_rendezvous_round_record_completes_the_rendezvous_phase() -> None:
     s, _ = step(s.round_formed(2, ("n1", "n2")), T0 + 1)
     assert s.plan.phase == "resume" and s.plan.round_after == 2 and s.plan.rendezvous_done_at == T0 + 1
 
+
+
+def test_a_status_whose_nodes_alone_change_is_rewritten_at_most_once_a_second() -> None:
+    s, d = step(job(("n1", "n2", "n3", "n4")).without_member("n4"), T0)
+    assert s.status.state == "reforming" and s.status.nodes == ["n1", "n2", "n3"]
+    # Another node lost 0.3 s later: the job is still re-forming, only its nodes moved.
+    s, d = step(s.without_member("n3"), T0 + 0.3)
+    assert not of(d.actions, WriteStatus) and s.status.nodes == ["n1", "n2", "n3"]
+    assert d.requeue_after is not None and d.requeue_after <= timedelta(seconds=0.7)
+    # The decision that the requeue brings writes the nodes as they are then.
+    s, d = step(s, T0 + 1.0)
+    [write] = of(d.actions, WriteStatus)
+    assert write.status.nodes == ["n1", "n2"] and write.status.state == "reforming"
+    # A change of state is written at once, whenever the last write was: one node left is
+    # below the job's min.
+    s, d = step(s.without_member("n2"), T0 + 1.1)
+    [write] = of(d.actions, WriteStatus)
+    assert write.status.state == "stalled" and write.status.nodes == ["n1"]
