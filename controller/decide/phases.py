@@ -105,7 +105,15 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     if elapsed >= limit:
         return finish(s, plan, now, ReformOutcome.TIMEOUT, out, "expected members did not all join the new round")
     out.again_in(limit - elapsed)
-    return f"re-form {plan.generation}: waiting for {', '.join(pending)} to join the new round"
+    return f"re-form {plan.generation}: waiting for {_some(pending)} to join the new round"
+
+
+def _some(nodes: list[str], shown: int = 3) -> str:
+    """``a, b, c`` or, for more, ``49 nodes (a, b, c, ...)``: a reason names a few nodes,
+    not a whole job's (it is logged and stored in the status each time it changes)."""
+    if len(nodes) <= shown:
+        return ", ".join(nodes)
+    return f"{len(nodes)} nodes ({', '.join(nodes[:shown])}, ...)"
 
 
 def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:

@@ -347,3 +347,11 @@ def test_a_status_whose_nodes_alone_change_is_rewritten_at_most_once_a_second() 
     s, d = step(s.without_member("n2"), T0 + 1.1)
     [write] = of(d.actions, WriteStatus)
     assert write.status.state == "stalled" and write.status.nodes == ["n1"]
+
+
+def test_a_rendezvous_reason_names_a_few_of_the_nodes_it_waits_for() -> None:
+    s, _ = step(job([f"n{i}" for i in range(1, 7)], annotations(2, 8)).without_member("n6"), T0)
+    s, d = step(s, T0 + 1)
+    assert d.reason == f"re-form {s.plan.generation}: waiting for 5 nodes (n1, n2, n3, ...) to join the new round"
+    s, d = step(s.with_members(member(n, 2) for n in ("n1", "n2", "n3")), T0 + 2)
+    assert d.reason.endswith("waiting for n4, n5 to join the new round")
