@@ -69,9 +69,6 @@ class SpamFilter:
         buckets.move_to_end(subject)
         return allowed
 
-    def __len__(self) -> int:
-        return len(self._buckets)
-
 
 class EventRecorder:
     """Deduplicates, rate-limits and queues Events; ``run`` posts them through ``actuator``."""
