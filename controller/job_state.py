@@ -82,7 +82,8 @@ class JobState:
         arrive, so the storm rule looks at these few nodes, not at every node's history."""
         if k != self.storm_k:
             self.storm_k = k
-            self.marks = {node: mark for node, times in self.restarts.items() if (mark := storm_mark(times, k)) is not None}
+            marks = ((node, storm_mark(times, k)) for node, times in self.restarts.items())
+            self.marks = {node: mark for node, mark in marks if mark is not None}
         return self.marks
 
     def put_pod(self, pod: PodInfo, old: PodInfo | None, now: float) -> bool:
