@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
+from operator import itemgetter
 from typing import Any, Literal
 
 import structlog
@@ -44,6 +45,17 @@ QUEUE_CAPACITY = 1000
 """Events waiting to be posted (client-go's ``maxQueuedEvents``)."""
 
 
+def _forget_before(ordered: OrderedDict[Any, Any], cutoff: float, when: Callable[[Any], float]) -> None:
+    """Drop the entries of ``ordered`` last counted at or before ``cutoff`` (``when`` reads
+    that time off a value). A counted key moves to the end, so the oldest come first and
+    forgetting stops at the first one kept: nothing still remembered is rescanned."""
+    while ordered:
+        oldest = next(iter(ordered))
+        if when(ordered[oldest]) > cutoff:
+            break
+        del ordered[oldest]
+
+
 class SpamFilter:
     """A token bucket per subject (client-go's spam filter): ``burst`` at once, then one
     more each ``refill``. Subjects whose bucket is full again are forgotten."""
@@ -59,11 +71,7 @@ class SpamFilter:
         buckets, refill, burst = self._buckets, self.refill, self.burst
         tokens, since = buckets.get(subject, (burst, now))
         tokens = min(burst, tokens + (now - since) / refill)
-        while buckets:
-            oldest = next(iter(buckets))
-            if now - buckets[oldest][1] < burst * refill:
-                break
-            del buckets[oldest]
+        _forget_before(buckets, now - burst * refill, itemgetter(1))  # full again: forgotten
         allowed = tokens >= 1.0
         buckets[subject] = (tokens - 1.0 if allowed else tokens, now)
         buckets.move_to_end(subject)
@@ -125,13 +133,7 @@ class EventRecorder:
         last = seen.get(key)
         if last is not None and now - last < memory:
             return False
-        # Oldest first (a re-posted key moves to the end): forgetting expired Events pops
-        # from the front, never rescans the ones still remembered.
-        while seen:
-            oldest = next(iter(seen))
-            if now - seen[oldest] < memory:
-                break
-            del seen[oldest]
+        _forget_before(seen, now - memory, float)
         return True
 
     def _enqueue(self, refs: Sequence[ObjectRef | PodInfo], type_: EventType, reason: str, message: str) -> None:

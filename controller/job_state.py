@@ -104,19 +104,15 @@ class JobState:
         self._track_disruption(old, pod, now)
         return touched
 
-    def storming(self, node: str, now: float) -> bool:
+    def storming(self, node: str, now: float, unresolved: bool = True) -> bool:
         """Whether ``node`` has had the job's restart-storm count of restarts within its
-        window (the storm rule's condition); True while the job's config is not resolved."""
+        window (the storm rule's condition); ``unresolved`` while the job's config is not
+        resolved (True: wake a decision to be safe; False: not known to be in one)."""
         config = self.resolved.config if self.resolved is not None else None
         if config is None:
-            return True
+            return unresolved
         mark = self.storm_marks(config.storm_restarts).get(node)
         return mark is not None and mark >= now - config.storm_window.total_seconds()
-
-    def in_storm(self, node: str, now: float) -> bool:
-        """Whether ``node`` is known to be at the restart-storm threshold (False while the
-        job's config is not resolved, where ``storming`` says True to be safe)."""
-        return self.resolved is not None and self.resolved.config is not None and self.storming(node, now)
 
     def remove_pod(self, name: str, now: float) -> PodInfo | None:
         pod = self.pods.pop(name, None)

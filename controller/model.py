@@ -148,7 +148,7 @@ class ClusterModel:
             return
         self.fleet.pod_placed(key, job_id, old.node if old is not None else None, pod.node)
         now = self._clock()
-        in_storm = pod.node is not None and state.in_storm(pod.node, now)
+        in_storm = pod.node is not None and state.storming(pod.node, now, unresolved=False)
         if state.put_pod(pod, old, now):
             refresh(state, self.fleet, state.nodes_naming(pod.name))
         elif pod.node is not None and (in_storm or not state.storming(pod.node, now)):
@@ -222,7 +222,7 @@ class ClusterModel:
         if isinstance(record, MemberRecord):
             node = params["node"]
             old = state.members.get(node)
-            in_storm = state.in_storm(node, now)
+            in_storm = state.storming(node, now, unresolved=False)
             state.put_member(node, record, now)
             self.fleet.member_added(node, job_id)
             if state.round.member_put(node, record, state.members, state.plan, now):

@@ -197,13 +197,13 @@ class Reconciler:
         self.model.own_write(job, kind, record, revision)
 
     async def _write_plan(self, job: JobId, action: WritePlan, now: float) -> None:
-        expected = action.expected_revision
-        if expected == AFTER_PREVIOUS_PLAN:
-            # The plan written just before in this decision went into the model with its revision.
-            expected = self.model.jobs[job].plan_revision
         if self.writer is None:
             revision = self.model.jobs[job].plan_revision + 1 if job in self.model.jobs else 1
         else:
+            expected = action.expected_revision
+            if expected == AFTER_PREVIOUS_PLAN:
+                # The plan written just before in this decision went into the model with its revision.
+                expected = self.model.jobs[job].plan_revision
             revision = await self.writer.compare_and_put(self._keys(job).plan, action.plan.to_json(), expected)
         self.model.own_write(job, KeyKind.PLAN, action.plan, revision)
         plan = action.plan

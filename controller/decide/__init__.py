@@ -90,19 +90,20 @@ def _running(
     keep_exclusions(s, config, health, now, out)
     joiners = waiting_joiners(s, world, health, now, out)
     sit = Situation(s, now, settings, config, health, out, s.plan_revision)
-    plan = s.plan
-    if plan is not None and plan.phase != ReformPhase.DONE:
-        reason, state, stalled = advance(sit, plan), "reforming", False
+    in_flight = s.plan is not None and s.plan.phase != ReformPhase.DONE
+    stalled = False
+    if in_flight:
+        reason = advance(sit, s.plan)
         if out.abandoned:
             # Decided afresh in the same decision, on the same view: what the job needs now
             # starts at once, not one trip through the work queue later.
             afresh = Situation(s, now, settings, config, health, out, AFTER_PREVIOUS_PLAN)
             then, stalled = start(afresh, world, joiners, resolved.newest)
             reason = f"{reason}; then {then}"
-            state = "stalled" if stalled else ("reforming" if out.started_after_end() else "healthy")
     else:
         reason, stalled = start(sit, world, joiners, resolved.newest)
-        state = "stalled" if stalled else ("reforming" if out.actions and out.started() else "healthy")
+    reforming = (in_flight and not out.abandoned) or out.started()
+    state = "stalled" if stalled else ("reforming" if reforming else "healthy")
     live = world - health.lost.keys() if health.lost else world
     write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu)
     return out.decision(reason, len(live), config, Alerts(stalled=stalled, flapping=flaps, rendezvous_on_gpu=gpu))

@@ -25,11 +25,7 @@ class Out:
         self.requeue.append(max(0.0, seconds))
 
     def started(self) -> bool:
-        """Whether this decision writes a plan, i.e. starts a re-form."""
-        return any(isinstance(a, WritePlan) for a in self.actions)
-
-    def started_after_end(self) -> bool:
-        """Whether this decision, having ended the plan in flight, starts another."""
+        """Whether this decision starts a re-form (writes a plan that is not an ended one)."""
         return any(isinstance(a, WritePlan) and not a.finished for a in self.actions)
 
     def decision(self, reason: str, node_count: int, config: JobConfig | None, alerts: Alerts) -> Decision:

@@ -285,6 +285,10 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
     from controller.suspects import job_suspects
     from regroup.records import RoundState
 
+    def grouped(resolved):
+        """The pods it groups, up to their restart counts (which nothing resolved reads)."""
+        return {n: [dataclasses.replace(p, restart_count=0) for p in ps] for n, ps in resolved.workers_by_node.items()}
+
     rng = random.Random(23)
     settings = ControllerSettings()
     clock, dirty = Clock(), []
@@ -341,10 +345,6 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
             fresh.config, fresh.newest and fresh.newest.name), f"step {step}"
         assert [(p.pod.name, p.message) for p in snap.resolved.problems] == [
             (p.pod.name, p.message) for p in fresh.problems], f"step {step}"
-        # The pods it groups, up to their restart counts (which nothing resolved reads).
-        def grouped(r):
-            return {n: [dataclasses.replace(p, restart_count=0) for p in ps] for n, ps in r.workers_by_node.items()}
-
         assert (grouped(snap.resolved), snap.resolved.rendezvous_pods) == (
             grouped(fresh), fresh.rendezvous_pods), f"step {step}"
         assert snap.disrupted == {p.name: p for p in snap.pods if p.disruption is not None}, f"step {step}"
