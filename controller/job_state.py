@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from controller.cluster import PodInfo
 from controller.disruption import disruption_key
@@ -173,4 +173,4 @@ class JobState:
 
 def restart_only(old: PodInfo | records.MemberRecord, new: PodInfo | records.MemberRecord) -> bool:
     """Whether ``new`` (a pod or a member record) differs from ``old`` in its restart count alone."""
-    return old.restart_count != new.restart_count and old == replace(new, restart_count=old.restart_count)
+    return old.restart_count != new.restart_count and old == records.evolve(new, restart_count=old.restart_count)

@@ -7,14 +7,13 @@ the world it plans for can no longer form, timed out when it does not form in ti
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 
 from controller.decide.situation import Situation
 from controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
 from controller.signals import signal_key
 from controller.snapshot import JobSnapshot, WriteCheckpointRequest, WritePlan
-from regroup.records import ReformOutcome, ReformPhase, ReformPlan
+from regroup.records import ReformOutcome, ReformPhase, ReformPlan, evolve
 
 PhaseStep = Callable[[Situation, ReformPlan, list[str]], str]
 """One phase's step: (situation, plan, its target nodes now lost) -> the decision's reason."""
@@ -55,7 +54,7 @@ def _checkpoint(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     if len(nodes) < sit.config.min_nodes:
         why = f"only {len(nodes)} target nodes left, below min {sit.config.min_nodes}"
         return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, why)
-    updated = dataclasses.replace(
+    updated = evolve(
         plan,
         acked_at=acked_at,
         ack_step=ack.step if ack is not None else -1,
@@ -94,7 +93,7 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     formed = newer and set(plan.nodes_after) <= s.world_seen
     if formed or not pending:
         round_after = s.world_round if formed else max(members[n].round for n in plan.nodes_after)
-        updated = dataclasses.replace(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=now)
+        updated = evolve(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=now)
         out.actions.append(WritePlan(updated, s.plan_revision))
         out.again_in(sit.settings.reform.resume_timeout.total_seconds())
         return f"re-form {plan.generation}: round {round_after} formed with {len(plan.nodes_after)} nodes"
@@ -130,7 +129,7 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         lost_steps = max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
         # Only the trainer's rank 0 knows how its world came to be and where the resume time
         # went; the plan carries that to the re-form's trace.
-        resumed = dataclasses.replace(
+        resumed = evolve(
             plan, resumed_at=max(seen, plan.rendezvous_done_at), resumed_from_step=progress.resumed_from_step,
             lost_steps=lost_steps, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
         )

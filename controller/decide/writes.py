@@ -6,7 +6,6 @@ then publishes the next round (``control/expected``) and asks for it (``control/
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +20,7 @@ from regroup.records import (
     ReformPhase,
     ReformPlan,
     ReformRequest,
+    evolve,
 )
 
 
@@ -38,7 +38,7 @@ def checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
 
 def request_reform(s: JobSnapshot, plan: ReformPlan, now: float) -> ReformPlan:
     """The plan as it stands when ``control/expected`` and ``control/reform`` go out."""
-    return dataclasses.replace(plan, **reform_request_fields(s, plan.generation, plan.nodes_after, now))
+    return evolve(plan, **reform_request_fields(s, plan.generation, plan.nodes_after, now))
 
 
 def reform_request_fields(s: JobSnapshot, generation: int, nodes_after: Iterable[str], now: float) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome,
     ``Resized``); one that did not complete is abandoned loudly (a Warning Event on each of
     the job's pods; the trace and the metric carry ``why``), and the decision goes on to
     start what the job needs now (``out.abandoned``)."""
-    done = dataclasses.replace(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
+    done = evolve(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
     if outcome == ReformOutcome.COMPLETED:
         out.actions.append(PostPodEvents(s.pods, "Normal", "Resized", resize_message(done)))

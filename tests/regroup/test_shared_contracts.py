@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +34,7 @@ from regroup.records import (
     ReformPhase,
     ReformPlan,
     ReformRequest,
+    evolve,
 )
 
 
@@ -110,6 +112,21 @@ def test_a_plan_with_a_phase_cause_or_outcome_this_reader_does_not_know_is_refus
         body[field] = value
         with pytest.raises(RecordError, match="plan"):
             ReformPlan.from_json(json.dumps(body))
+
+
+def test_evolve_makes_what_dataclasses_replace_makes() -> None:
+    plan = ReformPlan.from_json(_STORED_PLAN)
+    changes = {"phase": ReformPhase.DONE, "outcome": "superseded", "finished_at": 12.5, "why": "n3 lost"}
+    done = evolve(plan, **changes)
+    assert done == dataclasses.replace(plan, **changes) and done.to_json() == dataclasses.replace(plan, **changes).to_json()
+    assert type(done.outcome) is ReformOutcome  # __post_init__ ran
+    assert plan.phase == ReformPhase.RENDEZVOUS and plan.why == ""  # the original is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        done.why = "changed"  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field phse"):
+        evolve(plan, phse=ReformPhase.DONE)
+    with pytest.raises(ValueError, match="vanished"):
+        evolve(plan, outcome="vanished")
 
 
 def test_the_traced_phases_are_detect_then_the_plan_phases_before_done() -> None:
