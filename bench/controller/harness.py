@@ -105,8 +105,21 @@ class Harness:
         self.reset()
 
     async def drained(self) -> None:
+        """Until every queued job is decided: by the workers, or here when there are none."""
+        if not self.workers:
+            await self.decide_queued()
+            return
         while len(self.queue) or self.queue._active:
             await asyncio.sleep(0.001)
+
+    async def decide_queued(self) -> None:
+        """Decide every queued job once, in queue order, as a worker would (requeue timers aside)."""
+        while len(self.queue):
+            job, _ = await self.queue.get()
+            try:
+                await self.reconciler.reconcile(job)
+            finally:
+                self.queue.done(job)
 
     def seed_etcd(self, layout: Layout) -> None:
         items = []

@@ -197,11 +197,13 @@ def restart_storms(
     """Cordon (within the budget) each node with K restarts in W, delete its pods, and
     count its member lost."""
     window = config.storm_window.total_seconds()
-    budget = settings.cordon.budget(s.fleet.hosting_nodes)
-    cordoned, added = s.fleet.cordoned, set()  # added: cordons this decision asks for
     k, horizon = config.storm_restarts, now - window
     # Times are in order: the K-th newest restart (its mark) decides whether K fall in the window.
     hot = [node for node, mark in s.storm_marks.items() if mark >= horizon]
+    if not hot:
+        return
+    budget = settings.cordon.budget(s.fleet.hosting_nodes)
+    cordoned, added = s.fleet.cordoned, set()  # added: cordons this decision asks for
     for node in sorted(hot):
         times = s.restarts[node]
         # The window's restarts, found by bisection: times are in order.

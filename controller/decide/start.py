@@ -3,7 +3,7 @@ reclaim, shrink to max, grow with joiners, or report the job stalled below min."
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -23,13 +23,16 @@ def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     config, health = sit.config, sit.health
     lost = {n: r for n, r in health.lost.items() if n in world}
     leaving = {n: notice for n, notice in health.notices.items() if n in world}
-    survivors = world - set(lost) - set(leaving)
-    if lost:
-        return _replace_lost(sit, world, _clamp(survivors, joiners, config.max_nodes), lost, newest)
-    if leaving:
-        return _shrink_for_reclaim(sit, world, _clamp(survivors, joiners, config.max_nodes), leaving, newest)
+    if lost or leaving:
+        # One sort of the round serves the plan's nodes before and the survivors kept.
+        before = sorted(world)
+        survivors = [n for n in before if n not in lost and n not in leaving]
+        target = _clamp(survivors, joiners, config.max_nodes)
+        if lost:
+            return _replace_lost(sit, before, target, lost, newest)
+        return _shrink_for_reclaim(sit, before, target, leaving, newest)
     if len(world) > config.max_nodes:
-        return _shrink_to_max(sit, world)
+        return _shrink_to_max(sit, sorted(world))
     live = len(world)
     if joiners and live < config.max_nodes:
         return _grow(sit, world, joiners, newest)
@@ -41,7 +44,7 @@ def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
 
 
 def _replace_lost(
-    sit: Situation, world: AbstractSet[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None
+    sit: Situation, before: list[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None
 ) -> tuple[str, bool]:
     """Unplanned: the lost nodes' ranks are gone already, so re-form at once without them."""
     storm_only = all(n in sit.health.storm for n in lost)
@@ -50,13 +53,13 @@ def _replace_lost(
     if len(target) < sit.config.min_nodes:
         return _stall(sit.s, sit.out, newest, f"lost {what}: {len(target)} nodes left, below min {sit.config.min_nodes}")
     detected = min(sit.health.lost_since[n] for n in lost)
-    _begin(sit, cause, False, f"lost {what}", world, target, detected)
+    _begin(sit, cause, False, f"lost {what}", before, target, detected)
     return f"unplanned re-form ({cause.value}): lost {what}", False
 
 
 def _shrink_for_reclaim(
     sit: Situation,
-    world: AbstractSet[str],
+    before: list[str],
     target: list[str],
     leaving: Mapping[str, ReclaimNotice],
     newest: PodInfo | None,
@@ -73,17 +76,17 @@ def _shrink_for_reclaim(
         if notice.ends_at is not None:
             deadline = min(deadline, notice.ends_at - sit.settings.reform.notice_margin.total_seconds())
     planned = deadline > now and s.progress is not None
-    _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", world, target, detected, deadline)
+    _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", before, target, detected, deadline)
     return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
 
 
-def _shrink_to_max(sit: Situation, world: AbstractSet[str]) -> tuple[str, bool]:
+def _shrink_to_max(sit: Situation, before: list[str]) -> tuple[str, bool]:
     """More nodes than the job's max (the max was lowered): keep the first ``max`` by name."""
     config, now = sit.config, sit.now
-    target = sorted(world)[: config.max_nodes]
+    target = before[: config.max_nodes]
     deadline = now + config.checkpoint_timeout.total_seconds()
-    why = f"{len(world)} nodes exceed max {config.max_nodes}"
-    _begin(sit, ReformCause.MANUAL, sit.s.progress is not None, why, world, target, now, deadline)
+    why = f"{len(before)} nodes exceed max {config.max_nodes}"
+    _begin(sit, ReformCause.MANUAL, sit.s.progress is not None, why, before, target, now, deadline)
     return f"shrink to max: {why}", False
 
 
@@ -98,13 +101,14 @@ def _grow(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     if now < closes and len(joiners) < capacity:
         sit.out.again_in(closes - now)
         return f"gathering {len(joiners)} joining nodes until the join window closes", live < config.min_nodes
-    target = _clamp(world, joiners, config.max_nodes)
+    before = sorted(world)
+    target = _clamp(before, joiners, config.max_nodes)
     if len(target) < config.min_nodes:
         return _stall(s, sit.out, newest, f"{len(target)} nodes available, below min {config.min_nodes}")
     added = ", ".join(target[live:])
     planned = live >= config.min_nodes and s.progress is not None
     deadline = now + config.checkpoint_timeout.total_seconds()
-    _begin(sit, ReformCause.GROW, planned, f"nodes joining: {added}", world, target, min(opened, now), deadline)
+    _begin(sit, ReformCause.GROW, planned, f"nodes joining: {added}", before, target, min(opened, now), deadline)
     return f"grow to {len(target)} nodes: {added} joining", False
 
 
@@ -115,8 +119,9 @@ def _stall(s: JobSnapshot, out: Out, newest: PodInfo | None, why: str) -> tuple[
     return f"stalled: {why}", True
 
 
-def _clamp(survivors: Iterable[str], joiners: list[str], max_nodes: int) -> list[str]:
-    keep = sorted(survivors)[:max_nodes]
+def _clamp(survivors: list[str], joiners: list[str], max_nodes: int) -> list[str]:
+    """The first ``max_nodes`` of ``survivors`` (sorted by name), then joiners up to the max."""
+    keep = survivors[:max_nodes]
     return keep + joiners[: max(0, max_nodes - len(keep))]
 
 
@@ -134,7 +139,7 @@ def _begin(
     cause: ReformCause,
     planned: bool,
     reason: str,
-    world: AbstractSet[str],
+    before: list[str],
     target: list[str],
     detected: float,
     deadline: float = 0.0,
@@ -147,7 +152,7 @@ def _begin(
         "cause": cause,
         "planned": planned,
         "reason": reason,
-        "nodes_before": sorted(world),
+        "nodes_before": before,
         "nodes_after": list(target),
         "trace_id": new_trace_id(s.namespace, s.job, generation, now),
         "detected_at": min(detected, now),

@@ -47,10 +47,7 @@ def reform_request_fields(s: JobSnapshot, generation: int, nodes_after: Iterable
     ack = s.acks.get(generation)
     if ack is not None:
         step = max(step, ack.step)
-    ranks = 0
-    for node in nodes_after:
-        member = s.members.get(node)
-        ranks += member.local_world_size if member is not None else 0
+    ranks = sum(m.local_world_size for m in map(s.members.get, nodes_after) if m is not None)
     return {
         "phase": ReformPhase.RENDEZVOUS,
         "reform_requested_at": now,
