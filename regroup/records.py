@@ -85,7 +85,7 @@ def evolve(obj: _Frozen, **changes: Any) -> _Frozen:
     """``dataclasses.replace`` for an instance of a frozen dataclass with a ``__dict__``
     (every record, and the controller's ``PodInfo``): the fields are copied as they are
     instead of each going through the frozen ``__init__`` again (a re-form plan has 33:
-    10 us against 1, and a storm ends a plan every few events). ``__post_init__`` still
+    10 us against 3, and a storm ends a plan every few events). ``__post_init__`` still
     runs; a name that is not a field raises ``TypeError`` as ``dataclasses.replace`` does."""
     cls = type(obj)
     unknown = changes.keys() - _field_set(cls)
