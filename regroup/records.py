@@ -87,28 +87,18 @@ def evolve(obj: _Frozen, **changes: Any) -> _Frozen:
     instead of each going through the frozen ``__init__`` again (a re-form plan has 33:
     10 us against 3, and a storm ends a plan every few events). ``__post_init__`` still
     runs; a name that is not a field raises ``TypeError`` as ``dataclasses.replace`` does."""
-    cls = type(obj)
-    unknown = changes.keys() - _field_set(cls)
+    current = vars(obj)  # exactly the fields: a dataclass keeps nothing else there
+    unknown = changes.keys() - current.keys()
     if unknown:
-        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(unknown))}")
-    new = object.__new__(cls)
+        raise TypeError(f"{type(obj).__name__} has no field {', '.join(sorted(unknown))}")
+    new = object.__new__(type(obj))
     fields = vars(new)
-    fields.update(vars(obj))
+    fields.update(current)
     fields.update(changes)
     post_init = getattr(new, "__post_init__", None)
     if post_init is not None:
         post_init()
     return new
-
-
-def _field_set(cls: type) -> frozenset[str]:
-    names = _FIELD_SETS.get(cls)
-    if names is None:
-        names = _FIELD_SETS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
-    return names
-
-
-_FIELD_SETS: dict[type, frozenset[str]] = {}
 
 
 class RecordError(ValueError):

@@ -74,7 +74,6 @@ async def storm_replay(layout: Layout, count: int, seed: int) -> dict[str, Any]:
     h = await direct_harness(layout, 0)  # no workers: the queue is drained here
     feed = DirectFeed(h, layout)
     events = replayed(layout, h.settings.etcd_prefix, count, seed)
-    h.reset()
     intake = 0.0
     cpu = time.process_time()
     for event in events:

@@ -330,7 +330,6 @@ def test_the_rendezvous_round_record_completes_the_rendezvous_phase() -> None:
     assert s.plan.phase == "resume" and s.plan.round_after == 2 and s.plan.rendezvous_done_at == T0 + 1
 
 
-
 def test_a_status_whose_nodes_alone_change_is_rewritten_at_most_once_a_second() -> None:
     s, d = step(job(("n1", "n2", "n3", "n4")).without_member("n4"), T0)
     assert s.status.state == "reforming" and s.status.nodes == ["n1", "n2", "n3"]
