@@ -29,6 +29,7 @@ test-busy: etcd venv
 	$(PY) tests/busy.py $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: etcd venv
+	@command -v valgrind >/dev/null 2>&1 || { apt-get update && apt-get install -y valgrind; }  # controller --instructions
 	$(PIP) install --disable-pip-version-check -q -e '.[train,report,test,bench]'
 	$(PY) -m bench $(ARGS)
 

@@ -10,7 +10,7 @@ deletion). Pure: ``decide`` calls it and applies the write it returns.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from controller.disruption import PodNotice
 from controller.signals import ReclaimNotice, leaving_signal
@@ -18,9 +18,8 @@ from controller.snapshot import JobSnapshot, WriteExclusions
 from regroup.records import Exclusions
 
 
-@dataclass(frozen=True)
-class LeavingNodes:
-    """What this decision found leaving."""
+class LeavingNodes(NamedTuple):
+    """What this decision found leaving (a named tuple: made once per decision)."""
 
     notices: Mapping[str, ReclaimNotice]
     """node -> its reclaim notice (a taint, a cordon or its pod's disruption)."""

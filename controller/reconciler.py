@@ -13,9 +13,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
@@ -59,6 +58,10 @@ RECORD_WRITES: dict[type[Action], tuple[KeyKind, str, bool]] = {
 holding the record, whether the write is bound to the controller's lease)."""
 
 
+_NO_GAUGES = (None,) * 7
+"""What a job's gauges held before its first decision (every value is set then)."""
+
+
 class PlanConflict(Exception):
     """``control/plan`` changed under us: the snapshot was stale."""
 
@@ -77,8 +80,7 @@ class EtcdWriter(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What one reconcile did: look again after ``requeue_after`` (None: on the next event)."""
 
     decision: Decision
@@ -279,8 +281,8 @@ class Reconciler:
                     for g in (m.job_nodes, m.min_nodes, m.max_nodes, m.stalled, m.bad_config, m.flapping,
                               m.rendezvous_on_gpu)
                 )
-            for i, (child, value) in enumerate(zip(children, values, strict=True)):
-                if before is None or before[i] != value:
+            for child, was, value in zip(children, before or _NO_GAUGES, values, strict=True):
+                if was != value:
                     child.set(int(value))
         state = self.model.jobs.get(job)
         rounds = state.round.advanced if state is not None else 0

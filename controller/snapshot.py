@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from controller.cluster import NodeInfo, ObjectRef, PodInfo
 from controller.jobconfig import ResolvedConfig
@@ -30,8 +30,7 @@ from regroup.records import (
 )
 
 
-@dataclass(frozen=True)
-class FleetView:
+class FleetView(NamedTuple):
     """Cluster-wide facts a single job's decision needs (the cordon budget)."""
 
     hosting_nodes: int = 0
@@ -111,6 +110,7 @@ class JobSnapshot:
 
 
 # --- actions -------------------------------------------------------------------------
+# Named tuples, like ``Decision``: a decision makes a few, each in one C call.
 
 
 AFTER_PREVIOUS_PLAN = -1
@@ -118,8 +118,7 @@ AFTER_PREVIOUS_PLAN = -1
 flight: the revision its own previous ``WritePlan`` wrote."""
 
 
-@dataclass(frozen=True)
-class WritePlan:
+class WritePlan(NamedTuple):
     """Compare-and-set ``control/plan`` against ``expected_revision`` (0: must not exist;
     ``AFTER_PREVIOUS_PLAN``: what this decision's previous plan write left)."""
 
@@ -129,59 +128,49 @@ class WritePlan:
     """The plan just reached ``done``: emit its trace and metrics once written."""
 
 
-@dataclass(frozen=True)
-class WriteCheckpointRequest:
+class WriteCheckpointRequest(NamedTuple):
     request: CheckpointRequest
 
 
-@dataclass(frozen=True)
-class WriteExpected:
+class WriteExpected(NamedTuple):
     expected: ExpectedMembership
 
 
-@dataclass(frozen=True)
-class WriteReform:
+class WriteReform(NamedTuple):
     request: ReformRequest
 
 
-@dataclass(frozen=True)
-class WritePresence:
+class WritePresence(NamedTuple):
     presence: ControllerPresence
 
 
-@dataclass(frozen=True)
-class WriteStatus:
+class WriteStatus(NamedTuple):
     status: JobStatus
 
 
-@dataclass(frozen=True)
-class WriteExclusions:
+class WriteExclusions(NamedTuple):
     exclusions: Exclusions
 
 
-@dataclass(frozen=True)
-class Cordon:
+class Cordon(NamedTuple):
     node: str
     reason: str
 
 
-@dataclass(frozen=True)
-class DeletePod:
+class DeletePod(NamedTuple):
     namespace: str
     name: str
     reason: str
 
 
-@dataclass(frozen=True)
-class PostEvent:
+class PostEvent(NamedTuple):
     ref: ObjectRef
     type_: Literal["Normal", "Warning"]
     reason: str
     message: str
 
 
-@dataclass(frozen=True)
-class PostPodEvents:
+class PostPodEvents(NamedTuple):
     """The same Event on each of ``pods``: how the end of a re-form is told on every pod
     of the job (one action, not one per pod: a storm ends many re-forms)."""
 
@@ -198,6 +187,7 @@ Action = (
     | WriteReform
     | WritePresence
     | WriteStatus
+    | WriteExclusions
     | Cordon
     | DeletePod
     | PostEvent
@@ -205,8 +195,7 @@ Action = (
 )
 
 
-@dataclass(frozen=True)
-class Alerts:
+class Alerts(NamedTuple):
     """Conditions exported as 0/1 gauges."""
 
     stalled: bool = False
@@ -215,9 +204,13 @@ class Alerts:
     rendezvous_on_gpu: bool = False
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What to do for a job now, why, and when to look again (None: on the next event)."""
+class Decision(NamedTuple):
+    """What to do for a job now, why, and when to look again (None: on the next event).
+
+    ``Decision``, ``Alerts`` and ``FleetView`` are named tuples, immutable as the frozen
+    dataclasses they were, and made in one C call: a decision makes each of them, and a
+    frozen dataclass sets every field through ``object.__setattr__``, which cost a storm's
+    decisions more than most of the steps they take."""
 
     actions: tuple[Action, ...]
     reason: str
@@ -226,4 +219,4 @@ class Decision:
     """Nodes in the job's current round."""
     min_nodes: int = 0
     max_nodes: int = 0
-    alerts: Alerts = field(default_factory=Alerts)
+    alerts: Alerts = Alerts()

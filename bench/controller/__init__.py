@@ -41,6 +41,11 @@ def _one(args: argparse.Namespace) -> int:
 
         print(json.dumps(asyncio.run(run_costs(layout))))
         return 0
+    if args.instructions:
+        from .instructions import run_instructions
+
+        print(json.dumps(run_instructions(300 if args.quick else 1000)))
+        return 0
     if args.only == "direct":
         from .direct import run_direct
 
@@ -75,11 +80,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", choices=("direct", "http", "http-paced", "anchor"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--costs", action="store_true", help="only print per-event CPU costs on one job (timeit)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="only count the storm's instructions and cache misses per event (callgrind; minutes)")
     args = parser.parse_args(argv)
     args.events = args.events or (20_000 if args.quick else 100_000)
     args.http_events = args.http_events or (4_000 if args.quick else 20_000)
     args.paced_events = args.paced_events or (10_000 if args.quick else 50_000)
     args.http_paced_events = args.http_paced_events or (4_000 if args.quick else 20_000)
-    if args.only or args.costs:
+    if args.only or args.costs or args.instructions:
         return _one(args)
     return run_paths(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from controller.cluster import NodeInfo, Taint
@@ -12,9 +13,9 @@ from .harness import Harness, latency_summary, offer, peak_rss_mb
 from .storm import NAMESPACE, Event, Layout, pod_info, replayed
 
 
-async def direct_harness(layout: Layout, workers: int) -> Harness:
+async def direct_harness(layout: Layout, workers: int, clock: Callable[[], float] = time.time) -> Harness:
     """The cluster listed, etcd seeded, every job decided once."""
-    h = Harness(workers)
+    h = Harness(workers, clock)
     h.model.nodes_listed([NodeInfo(layout.node(i)) for i in range(layout.nodes)])
     h.model.pods_listed([pod_info(layout, j, n) for j, n in layout.placements()])
     h.seed_etcd(layout)

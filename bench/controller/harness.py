@@ -63,11 +63,16 @@ class TimedReconciler(Reconciler):
 class Harness:
     """Model, queue, reconciler and workers, with latencies recorded per decision."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the unix time the model stamps and decisions run at (a replay may
+        pass a virtual one, so no decision depends on how fast it runs)."""
         self.settings = ControllerSettings()
+        self.clock = clock
         self.queue: WorkQueue[JobId] = WorkQueue(time.perf_counter)
-        self.model = ClusterModel(time.time, self._dirty, prefix=self.settings.etcd_prefix, job_defaults=self.settings.jobs)
-        self.reconciler = TimedReconciler(self, self.model, self.settings, None, NullActuator(), ControllerMetrics())
+        self.model = ClusterModel(clock, self._dirty, prefix=self.settings.etcd_prefix, job_defaults=self.settings.jobs)
+        self.reconciler = TimedReconciler(
+            self, self.model, self.settings, None, NullActuator(), ControllerMetrics(), None, clock
+        )
         self.loop = ReconcileLoop(self.reconciler, self.queue)
         self.workers = workers
         self.tasks: list[asyncio.Task[None]] = []
@@ -127,7 +132,7 @@ class Harness:
             keys = JobKeys(NAMESPACE, layout.job(j), self.settings.etcd_prefix)
             for n in layout.job_nodes(j):
                 items.append((keys.member(n), member(layout, j, n), 1))
-            progress = Progress(step=100, loss=1.0, samples_seen=0, world_size=400, time=time.time())
+            progress = Progress(step=100, loss=1.0, samples_seen=0, world_size=400, time=self.clock())
             items.append((keys.progress, progress.to_json(), 1))
         self.model.etcd_resynced(items)
 

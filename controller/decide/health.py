@@ -9,7 +9,6 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 
 from controller.cluster import ObjectRef, PodInfo
 from controller.decide.out import Out
@@ -28,20 +27,25 @@ from controller.snapshot import Cordon, DeletePod, JobSnapshot, PostEvent
 from regroup.records import MemberRecord, ReformOutcome, ReformPhase
 
 
-@dataclass
 class Health:
-    """Per-node classification of the job's nodes at this moment."""
+    """Per-node classification of the job's nodes at this moment.
 
-    lost: dict[str, str] = field(default_factory=dict)
-    """node -> why it is gone for training."""
-    lost_since: dict[str, float] = field(default_factory=dict)
-    storm: set[str] = field(default_factory=set)
-    notices: dict[str, ReclaimNotice] = field(default_factory=dict)
-    seen: dict[str, float] = field(default_factory=dict)
-    """node -> when the controller first saw its notice (the detect phase starts there)."""
-    pods: dict[str, PodNotice] = field(default_factory=dict)
-    """node -> the disruption notice of the job's pod there (``DisruptionTarget``), even
-    when the pod is already terminating (it keeps the node excluded)."""
+    A plain class with slots: made once per decision, where a dataclass's ``__init__``
+    tested each of its six default factories in turn."""
+
+    __slots__ = ("lost", "lost_since", "storm", "notices", "seen", "pods")
+
+    def __init__(self, pods: dict[str, PodNotice] | None = None) -> None:
+        self.lost: dict[str, str] = {}
+        """node -> why it is gone for training."""
+        self.lost_since: dict[str, float] = {}
+        self.storm: set[str] = set()
+        self.notices: dict[str, ReclaimNotice] = {}
+        self.seen: dict[str, float] = {}
+        """node -> when the controller first saw its notice (the detect phase starts there)."""
+        self.pods: dict[str, PodNotice] = pods if pods is not None else {}
+        """node -> the disruption notice of the job's pod there (``DisruptionTarget``), even
+        when the pod is already terminating (it keeps the node excluded)."""
 
 
 def world_of(s: JobSnapshot) -> AbstractSet[str]:

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 from controller.jobconfig import JobConfig
 from controller.snapshot import Action, Alerts, Decision, WritePlan
 
 
-@dataclass
 class Out:
-    """The actions a decision asks for, in order, and its requeue delays."""
+    """The actions a decision asks for, in order, and its requeue delays.
 
-    actions: list[Action] = field(default_factory=list)
-    requeue: list[float] = field(default_factory=list)
-    """Seconds from now after which to look again."""
-    abandoned: bool = False
-    """This decision ended the plan in flight without completing it (``writes.finish``)."""
+    A plain class with slots: made once per decision, where a dataclass's ``__init__``
+    tested its default factories in turn."""
+
+    __slots__ = ("actions", "requeue", "abandoned")
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.requeue: list[float] = []
+        """Seconds from now after which to look again."""
+        self.abandoned = False
+        """This decision ended the plan in flight without completing it (``writes.finish``)."""
 
     def again_in(self, seconds: float) -> None:
         """Look again ``seconds`` from now (at once when negative); the earliest wins."""
@@ -30,7 +34,8 @@ class Out:
 
     def decision(self, reason: str, node_count: int, config: JobConfig | None, alerts: Alerts) -> Decision:
         """The collected actions as the ``Decision`` for the job."""
-        requeue = timedelta(seconds=min(self.requeue)) if self.requeue else None
+        # timedelta(0, seconds): positional, no keyword parsing once per decision.
+        requeue = timedelta(0, min(self.requeue)) if self.requeue else None
         return Decision(
             actions=tuple(self.actions),
             reason=reason,

@@ -80,7 +80,7 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
         # A member past the plan's round is then outside the job's round, so a suspect: the
         # few suspects say which planned nodes have joined, without a look at every member.
         joined = {n for n in s.suspects if (m := members.get(n)) is not None and m.round > before}
-        pending = [n for n in plan.nodes_after if n not in joined] if joined else list(plan.nodes_after)
+        pending = [n for n in plan.nodes_after if n not in joined] if joined else plan.nodes_after
     else:
         pending = [n for n in plan.nodes_after if n not in members or members[n].round <= before]
     # Formed: the rendezvous' round record shows a newer round of exactly the planned

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from controller.decide.health import Health
 from controller.decide.out import Out
@@ -11,9 +11,12 @@ from controller.settings import ControllerSettings
 from controller.snapshot import JobSnapshot
 
 
-@dataclass(frozen=True)
-class Situation:
-    """One job with a valid configuration at one moment, and the decision being collected."""
+class Situation(NamedTuple):
+    """One job with a valid configuration at one moment, and the decision being collected.
+
+    A named tuple, not a frozen dataclass: it is made once or twice per decision, and a
+    frozen dataclass sets each field through ``object.__setattr__`` (a storm's decisions
+    spent more on making it than on most of the steps that read it)."""
 
     s: JobSnapshot
     now: float

@@ -24,9 +24,10 @@ def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     lost = {n: r for n, r in health.lost.items() if n in world}
     leaving = {n: notice for n, notice in health.notices.items() if n in world}
     if lost or leaving:
-        # One sort of the round serves the plan's nodes before and the survivors kept.
         before = sorted(world)
-        survivors = [n for n in before if n not in lost and n not in leaving]
+        # The round less the lost and leaving nodes, in name order: set difference and a
+        # sort run in C, where a filter over the round ran its 50 names through Python.
+        survivors = sorted(world - lost.keys() - leaving.keys())
         target = _clamp(survivors, joiners, config.max_nodes)
         if lost:
             return _replace_lost(sit, before, target, lost, newest)

@@ -7,6 +7,7 @@ then publishes the next round (``control/expected``) and asks for it (``control/
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 from controller.decide.out import Out
@@ -22,6 +23,9 @@ from regroup.records import (
     ReformRequest,
     evolve,
 )
+
+
+_LOCAL_WORLD_SIZE = attrgetter("local_world_size")
 
 
 def checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
@@ -47,7 +51,8 @@ def reform_request_fields(s: JobSnapshot, generation: int, nodes_after: Iterable
     ack = s.acks.get(generation)
     if ack is not None:
         step = max(step, ack.step)
-    ranks = sum(m.local_world_size for m in map(s.members.get, nodes_after) if m is not None)
+    # In C: the planned members' local world sizes (a member record is never falsy).
+    ranks = sum(map(_LOCAL_WORLD_SIZE, filter(None, map(s.members.get, nodes_after))))
     return {
         "phase": ReformPhase.RENDEZVOUS,
         "reform_requested_at": now,
