@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .direct import DirectFeed, direct_harness
-from .storm import Layout, replayed
+from .storm import Event, Layout, replayed
 
 EVENTS = ("Ir", "D1mr", "D1mw", "I1mr")
 """What is reported per event: instructions, level-1 data read and write misses,
@@ -42,6 +42,10 @@ level-1 instruction misses (callgrind's names)."""
 
 _UNDER_CALLGRIND = "REGROUP_BENCH_CALLGRIND"
 """Set in the replay's environment when callgrind runs it."""
+
+
+VIRTUAL_START = 1_800_000_000.0
+"""Unix time at which the replay's virtual clock starts (January 2027)."""
 
 
 class VirtualClock:
@@ -67,22 +71,23 @@ def _callgrind(flag: str) -> None:
 async def replay_window(layout: Layout, events: int, warmup: int, seed: int, rate: float) -> dict[str, Any]:
     """Replay ``warmup`` storm events, then count the next ``events``: the decisions they
     made and the CPU seconds they took (callgrind's counters cover exactly these)."""
-    clock = VirtualClock(start=1_800_000_000.0, step=1.0 / rate)
+    clock = VirtualClock(start=VIRTUAL_START, step=1.0 / rate)
     h = await direct_harness(layout, 0, clock)
     feed = DirectFeed(h, layout)
     storm = replayed(layout, h.settings.etcd_prefix, warmup + events, seed)
+
+    async def replay(events: list[Event]) -> None:
+        for event in events:
+            clock.tick()
+            feed(event)
+            await h.decide_queued()
+
     _callgrind("--instr=on")  # the set-up ran uninstrumented; the warm-up fills the simulated caches
-    for event in storm[:warmup]:
-        clock.tick()
-        feed(event)
-        await h.decide_queued()
+    await replay(storm[:warmup])
     decisions = h.decisions
     _callgrind("--zero")
     cpu = time.process_time()
-    for event in storm[warmup:]:
-        clock.tick()
-        feed(event)
-        await h.decide_queued()
+    await replay(storm[warmup:])
     cpu = time.process_time() - cpu
     _callgrind("--dump")
     await h.stop()
@@ -116,8 +121,10 @@ def run_instructions(events: int = 1000, warmup: int = 300, seed: int = 8, rate:
         counted = _replay(args, {**env, _UNDER_CALLGRIND: "1"}, [
             "valgrind", "--tool=callgrind", "--cache-sim=yes", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.%p"])
         # The dump asked for mid-run is the process's second file (``cg.<pid>.1``).
-        dump = next(p for p in Path(tmp).iterdir() if p.name.endswith(".1"))
-        counts = summary(dump.read_text())
+        dumps = [p for p in Path(tmp).iterdir() if p.name.endswith(".1")]
+        if len(dumps) != 1:
+            raise RuntimeError(f"expected the window's one callgrind dump, found {sorted(p.name for p in Path(tmp).iterdir())}")
+        counts = summary(dumps[0].read_text())
     native = _replay(args, env)
     if native["decisions"] != counted["decisions"]:
         raise RuntimeError(f"the replay decided differently natively ({native['decisions']}) "

@@ -15,8 +15,7 @@ class Situation(NamedTuple):
     """One job with a valid configuration at one moment, and the decision being collected.
 
     A named tuple, not a frozen dataclass: it is made once or twice per decision, and a
-    frozen dataclass sets each field through ``object.__setattr__`` (a storm's decisions
-    spent more on making it than on most of the steps that read it)."""
+    frozen dataclass sets each field through ``object.__setattr__`` (see ``Decision``)."""
 
     s: JobSnapshot
     now: float

@@ -7,8 +7,10 @@ import time
 
 import pytest
 
-from bench.controller.instructions import VirtualClock, replay_window, summary
+from bench.controller.direct import direct_harness
+from bench.controller.instructions import VIRTUAL_START, VirtualClock, replay_window, summary
 from bench.controller.storm import Layout
+from controller.cluster import NodeInfo
 
 # A tenth of the benchmark's cluster: 200 nodes, 20 jobs of 50, each node hosting 5 jobs.
 SMALL = Layout(nodes=200, jobs=20, per_job=50)
@@ -52,12 +54,29 @@ async def test_the_counted_window_decides_the_same_way_however_slowly_it_runs(mo
     # Node events wake each of the node's five jobs; pod and rank restarts mostly wake none.
     assert 400 < first["decisions"] < 2000
     # Under callgrind the replay runs a hundred times slower. If any decision read the wall
-    # clock, an hour passing between events (every rendezvous and resume timeout firing)
-    # would change what it decides.
-    real = time.time
-    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)
+    # clock, a wall clock a year past the virtual one (every rendezvous and resume timeout
+    # firing) would change what it decides. (The virtual clock starts in 2027: a jump of an
+    # hour from today would still be behind it and fire nothing.)
+    assert time.time() < VIRTUAL_START
+    year = 365 * 24 * 3600.0
+    monkeypatch.setattr(time, "time", lambda: VIRTUAL_START + year)
     slow = await replay_window(SMALL, 400, 200, seed=8, rate=5000.0)
     assert slow["decisions"] == first["decisions"]
     # The virtual clock is what decisions run on: other gaps between events, other decisions.
     other_rate = await replay_window(SMALL, 400, 200, seed=8, rate=0.001)
     assert other_rate["decisions"] != first["decisions"]
+
+
+async def test_the_harness_stamps_and_decides_on_the_clock_it_is_given() -> None:
+    # The virtual clock only helps if both the model's sightings and the decisions' ``now``
+    # come from it: a default bound to time.time would escape the monkeypatch above.
+    clock = VirtualClock(start=VIRTUAL_START, step=1.0)
+    h = await direct_harness(SMALL, 0, clock)
+    try:
+        clock.tick()
+        h.model.node_changed(NodeInfo(SMALL.node(0), ready=False))
+        assert h.model.fleet.signals[SMALL.node(0)]["notready"] == VIRTUAL_START + 1.0
+        statuses = [state.status for state in h.model.jobs.values()]
+        assert statuses and all(s is not None and s.updated_at == VIRTUAL_START for s in statuses)
+    finally:
+        await h.stop()
