@@ -15,8 +15,8 @@ import json
 import time
 from pathlib import Path
 
-from demo import main as demo_main
-from demo.analysis import RunData, event_impacts, goodput, load_run
+from regroup.demo import main as demo_main
+from regroup.demo.analysis import RunData, event_impacts, goodput, load_run
 from regroup.trace_report import PHASES
 
 

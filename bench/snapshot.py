@@ -44,11 +44,11 @@ def worker(state_mb: float, steps: int, rounds: int, out: Path) -> None:
     import torch.distributed as dist
 
     from bench.checkpoint import _model_for
-    from trainer.boundary import agree
-    from trainer.config_loading import config_from_dict
-    from trainer.distributed import build_sharded_model, init_runtime
-    from trainer.snapshot import Snapshots
-    from trainer.snapshot_cost import state_bytes
+    from regroup.trainer.boundary import agree
+    from regroup.trainer.config_loading import config_from_dict
+    from regroup.trainer.distributed import build_sharded_model, init_runtime
+    from regroup.trainer.snapshot import Snapshots
+    from regroup.trainer.snapshot_cost import state_bytes
 
     cfg = config_from_dict({"model": _model_for(state_mb)})
     rt = init_runtime(dict(os.environ), "auto", timeout=timedelta(minutes=10))

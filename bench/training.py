@@ -2,7 +2,7 @@
 
 ``python -m bench training [--quick] [--worlds 1,2,4] [--steps N] [--json PATH]``
 
-Each world size is a real ``torchrun --standalone`` job of ``python -m trainer`` with the
+Each world size is a real ``torchrun --standalone`` job of ``python -m regroup.trainer`` with the
 same model and the same global batch (so the same work per step); the step time is the
 median wall time between consecutive ``step`` log events of rank 0 after warm-up,
 which includes everything the loop does per step. World 1 is the anchor: the table
@@ -50,7 +50,7 @@ def run_world(world: int, cfg: dict[str, Any], steps: int, workdir: Path) -> dic
     repo = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH", "")]))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    argv += ["-m", "trainer", "--config", str(config)]
+    argv += ["-m", "regroup.trainer", "--config", str(config)]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
         raise RuntimeError(f"world {world} failed:\n{result.stderr[-4000:]}")
@@ -90,8 +90,8 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from trainer.config import ModelConfig
-    from trainer.model import flops_per_token
+    from regroup.trainer.config import ModelConfig
+    from regroup.trainer.model import flops_per_token
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -47,7 +47,7 @@ class NodeInfo:
 @dataclass(frozen=True)
 class PodDisruption:
     """The pod's ``DisruptionTarget`` condition with status True: Kubernetes is about to
-    evict, preempt or delete the pod (see ``controller.disruption``)."""
+    evict, preempt or delete the pod (see ``regroup.controller.disruption``)."""
 
     reason: str
     """The condition's reason (``PreemptionByScheduler``, ``EvictionByEvictionAPI``, ...)."""

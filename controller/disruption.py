@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from controller.cluster import PodInfo
-from controller.signals import POD_DISRUPTION, ReclaimNotice, signal_key
+from regroup.controller.cluster import PodInfo
+from regroup.controller.signals import POD_DISRUPTION, ReclaimNotice, signal_key
 
 
 @dataclass(frozen=True)

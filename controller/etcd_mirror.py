@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from controller.metrics import ControllerMetrics
-from controller.model import ClusterModel
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.model import ClusterModel
 from regroup import etcd as etcd_layer
 
 

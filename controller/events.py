@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 import structlog
 
-from controller.cluster import ClusterActuator, ObjectRef, PodInfo
-from controller.metrics import ControllerMetrics
+from regroup.controller.cluster import ClusterActuator, ObjectRef, PodInfo
+from regroup.controller.metrics import ControllerMetrics
 
 log = structlog.get_logger("regroup.controller")
 

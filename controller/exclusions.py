@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import NamedTuple
 
-from controller.disruption import PodNotice
-from controller.signals import ReclaimNotice, leaving_signal
-from controller.snapshot import JobSnapshot, WriteExclusions
+from regroup.controller.disruption import PodNotice
+from regroup.controller.signals import ReclaimNotice, leaving_signal
+from regroup.controller.snapshot import JobSnapshot, WriteExclusions
 from regroup.records import Exclusions
 
 

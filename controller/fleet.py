@@ -7,10 +7,10 @@ cordoned nodes, and which jobs have a pod or a member on it (whom a node event w
 
 from __future__ import annotations
 
-from controller.cluster import NodeInfo
-from controller.multimap import index_add, index_discard
-from controller.signals import NodeVerdict, node_verdict
-from controller.sightings import FirstSeen
+from regroup.controller.cluster import NodeInfo
+from regroup.controller.multimap import index_add, index_discard
+from regroup.controller.signals import NodeVerdict, node_verdict
+from regroup.controller.sightings import FirstSeen
 
 JobId = tuple[str, str]
 """(namespace, job)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from controller.metrics import ControllerMetrics
+from regroup.controller.metrics import ControllerMetrics
 
 
 class HealthServer:

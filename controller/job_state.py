@@ -11,13 +11,13 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from controller.cluster import PodInfo
-from controller.disruption import disruption_key
-from controller.jobconfig import ResolvedConfig, update_resolved
-from controller.multimap import index_add, index_discard
-from controller.rounds import HISTORY, JobRound
-from controller.sightings import FirstSeen
-from controller.signals import member_seen_key, signal_key, storm_mark
+from regroup.controller.cluster import PodInfo
+from regroup.controller.disruption import disruption_key
+from regroup.controller.jobconfig import ResolvedConfig, update_resolved
+from regroup.controller.multimap import index_add, index_discard
+from regroup.controller.rounds import HISTORY, JobRound
+from regroup.controller.sightings import FirstSeen
+from regroup.controller.signals import member_seen_key, signal_key, storm_mark
 from regroup import records
 
 
@@ -29,7 +29,7 @@ class JobState:
     members: dict[str, records.MemberRecord] = field(default_factory=dict)
     round: JobRound = field(default_factory=JobRound)
     first_seen: dict[str, float] = field(default_factory=dict)
-    """The job's own sightings (see ``controller.sightings``)."""
+    """The job's own sightings (see ``regroup.controller.sightings``)."""
     restarts: dict[str, deque[float]] = field(default_factory=dict)
     """Per node, when rank or container restarts were observed there, oldest first."""
     plan: records.ReformPlan | None = None
@@ -56,7 +56,7 @@ class JobState:
     """The config resolved from the pods: kept through a restart count (which nothing
     resolved reads) and the pod changes ``update_resolved`` can apply; None after others."""
     suspects: set[str] | None = None
-    """Nodes of the job that are not plainly healthy (``controller.suspects``); None after
+    """Nodes of the job that are not plainly healthy (``regroup.controller.suspects``); None after
     the round changes, else updated node by node."""
     sightings: FirstSeen | None = None
     """The job's sightings joined with its nodes' (made once, on the first snapshot)."""

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from controller.cluster import PodInfo
-from controller.settings import JobDefaults
+from regroup.controller.cluster import PodInfo
+from regroup.controller.settings import JobDefaults
 
 PREFIX = "regroup.dev/"
 MIN_NODES = PREFIX + "min-nodes"

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import structlog
 
-from controller.http import HealthServer
-from controller.kube.actuator import KubeActuator
-from controller.kube.api import RawKube, load_api_client
-from controller.kube.leader import LeaderElector
-from controller.kube.source import KubeSource
-from controller.metrics import ControllerMetrics
-from controller.runtime import run_controller
-from controller.settings import ControllerSettings
+from regroup.controller.http import HealthServer
+from regroup.controller.kube.actuator import KubeActuator
+from regroup.controller.kube.api import RawKube, load_api_client
+from regroup.controller.kube.leader import LeaderElector
+from regroup.controller.kube.source import KubeSource
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.runtime import run_controller
+from regroup.controller.settings import ControllerSettings
 from regroup.etcd import EtcdSettings
 from regroup.telemetry import configure_logging, configure_tracing
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from controller.cluster import NodeInfo, PodInfo
-from controller.fleet import Fleet, JobId
-from controller.job_state import JobState, restart_only
-from controller.settings import JobDefaults
-from controller.snapshot import JobSnapshot
-from controller.snapshot_builder import build_snapshot
-from controller.suspects import refresh
+from regroup.controller.cluster import NodeInfo, PodInfo
+from regroup.controller.fleet import Fleet, JobId
+from regroup.controller.job_state import JobState, restart_only
+from regroup.controller.settings import JobDefaults
+from regroup.controller.snapshot import JobSnapshot
+from regroup.controller.snapshot_builder import build_snapshot
+from regroup.controller.suspects import refresh
 from regroup.keys import DEFAULT_PREFIX, JobKeys, KeyKind, read_record
 from regroup.records import CheckpointAck, MemberRecord, Record, RecordError, RoundState
 

@@ -18,13 +18,13 @@ from typing import Any, NamedTuple, Protocol
 
 import structlog
 
-from controller.cluster import ClusterActuator
-from controller.decide import decide, summarize
-from controller.events import EventRecorder, SpamFilter
-from controller.metrics import ControllerMetrics
-from controller.model import ClusterModel, JobId
-from controller.settings import ControllerSettings
-from controller.snapshot import (
+from regroup.controller.cluster import ClusterActuator
+from regroup.controller.decide import decide, summarize
+from regroup.controller.events import EventRecorder, SpamFilter
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.model import ClusterModel, JobId
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import (
     AFTER_PREVIOUS_PLAN,
     Action,
     Cordon,
@@ -40,7 +40,7 @@ from controller.snapshot import (
     WriteReform,
     WriteStatus,
 )
-from controller.tracing import emit_reform_trace, phase_times, reform_end
+from regroup.controller.tracing import emit_reform_trace, phase_times, reform_end
 from regroup.keys import JobKeys, KeyKind
 from regroup.records import Record, ReformCause, ReformOutcome, ReformPhase, ReformPlan
 

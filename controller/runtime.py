@@ -18,14 +18,14 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from controller.cluster import ClusterActuator, ClusterSource
-from controller.etcd_mirror import OwnWrites, mirror_etcd
-from controller.metrics import ControllerMetrics
-from controller.model import ClusterModel, JobId
-from controller.reconciler import Outcome, PlanConflict, Reconciler
-from controller.settings import ControllerSettings
-from controller.snapshot import Decision
-from controller.workqueue import WorkQueue
+from regroup.controller.cluster import ClusterActuator, ClusterSource
+from regroup.controller.etcd_mirror import OwnWrites, mirror_etcd
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.model import ClusterModel, JobId
+from regroup.controller.reconciler import Outcome, PlanConflict, Reconciler
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import Decision
+from regroup.controller.workqueue import WorkQueue
 from regroup import etcd as etcd_layer
 from regroup.etcd import EtcdSettings, LeaseKeeper
 
@@ -193,7 +193,7 @@ async def run_controller(
     http = None
     try:
         if settings.runtime.http_port is not None:
-            from controller.http import HealthServer
+            from regroup.controller.http import HealthServer
 
             http = HealthServer(metrics, settings.runtime.http_host, settings.runtime.http_port,
                                 healthy=lambda: True, ready=synced.is_set)

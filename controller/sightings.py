@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from controller.signals import signal_key
+from regroup.controller.signals import signal_key
 
 
 class FirstSeen(Mapping[str, float]):

@@ -21,7 +21,7 @@ https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-c
 "this pod is going away". It counts as a reclaim notice on the pod's node for that job
 only; once the pod is terminating (``deletionTimestamp`` set, its containers signalled)
 or has failed, it is a loss as before, and the node stays excluded from the job until the
-condition is gone or the pod is replaced (see ``controller.disruption``).
+condition is gone or the pod is replaced (see ``regroup.controller.disruption``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from controller.cluster import NodeInfo, Taint
+from regroup.controller.cluster import NodeInfo, Taint
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What ``decide`` sees of one job at one moment, and what it asks for.
 
-A ``JobSnapshot`` is a read-only view the model builds (``controller.snapshot_builder``);
+A ``JobSnapshot`` is a read-only view the model builds (``regroup.controller.snapshot_builder``);
 a ``Decision`` is a list of ``Action`` values with the reason behind them. Neither holds
 any I/O handle.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, NamedTuple
 
-from controller.cluster import NodeInfo, ObjectRef, PodInfo
-from controller.jobconfig import ResolvedConfig
-from controller.signals import NodeVerdict
+from regroup.controller.cluster import NodeInfo, ObjectRef, PodInfo
+from regroup.controller.jobconfig import ResolvedConfig
+from regroup.controller.signals import NodeVerdict
 from regroup.records import (
     CheckpointAck,
     CheckpointRequest,
@@ -43,7 +43,7 @@ class FleetView(NamedTuple):
 class JobSnapshot:
     """One job as observed from Kubernetes and etcd, and what the model's indexes say of it.
 
-    Built only by ``controller.snapshot_builder.build_snapshot``, from the model: the
+    Built only by ``regroup.controller.snapshot_builder.build_snapshot``, from the model: the
     derived fields (``pods_by_name`` to ``disrupted``) are always there and always come
     from the same indexes. Collections are the model's own, not copies: a snapshot is
     valid until the model next changes, and nothing writes to it.
@@ -62,7 +62,7 @@ class JobSnapshot:
     members: Mapping[str, MemberRecord]
     """Live members by node."""
     world_round: int
-    """The job's current round (``controller.rounds``); 0 before any member registered."""
+    """The job's current round (``regroup.controller.rounds``); 0 before any member registered."""
     finished: bool
     """The rendezvous is closed: the job ended (its agents shut down after training)."""
     world_seen: AbstractSet[str]
@@ -98,9 +98,9 @@ class JobSnapshot:
     resolved: ResolvedConfig
     """The job's config resolved from ``pods``."""
     verdicts: Mapping[str, NodeVerdict]
-    """Node verdicts under the built-in signal table (``controller.fleet``)."""
+    """Node verdicts under the built-in signal table (``regroup.controller.fleet``)."""
     suspects: AbstractSet[str]
-    """Nodes that may be unhealthy for this job (``controller.suspects``); every other
+    """Nodes that may be unhealthy for this job (``regroup.controller.suspects``); every other
     node of the round is known healthy."""
     disrupted: Mapping[str, PodInfo]
     """The job's pods carrying ``DisruptionTarget=True``, by name."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
 
-from controller.fleet import Fleet, JobId
-from controller.job_state import JobState
-from controller.jobconfig import resolve_job_config
-from controller.settings import JobDefaults
-from controller.sightings import FirstSeen
-from controller.snapshot import FleetView, JobSnapshot
-from controller.suspects import job_suspects
+from regroup.controller.fleet import Fleet, JobId
+from regroup.controller.job_state import JobState
+from regroup.controller.jobconfig import resolve_job_config
+from regroup.controller.settings import JobDefaults
+from regroup.controller.sightings import FirstSeen
+from regroup.controller.snapshot import FleetView, JobSnapshot
+from regroup.controller.suspects import job_suspects
 from regroup.records import ReformPhase
 
 

@@ -12,8 +12,8 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from controller.reform_summary import reform_seconds, resize_message
-from controller.tracing import phase_times
+from regroup.controller.reform_summary import reform_seconds, resize_message
+from regroup.controller.tracing import phase_times
 from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
 from regroup.keys import JobKeys
 from regroup.records import (

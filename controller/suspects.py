@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controller.fleet import Fleet
-from controller.job_state import JobState
+from regroup.controller.fleet import Fleet
+from regroup.controller.job_state import JobState
 
 
 def is_suspect(state: JobState, fleet: Fleet, node: str) -> bool:

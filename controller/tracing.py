@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
-from controller.reform_summary import reform_end
-from controller.trace_ids import span_id
+from regroup.controller.reform_summary import reform_end
+from regroup.controller.trace_ids import span_id
 from regroup.records import DETECT_PHASE, Progress, ReformOutcome, ReformPhase, ReformPlan
 
 

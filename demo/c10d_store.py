@@ -1,6 +1,6 @@
 """A standalone c10d ``TCPStore`` for the plain-torchrun baseline of ``regroup demo``.
 
-``python -m demo.c10d_store PORT`` serves until SIGTERM. Running the store on
+``python -m regroup.demo.c10d_store PORT`` serves until SIGTERM. Running the store on
 its own (as a platform would run a rendezvous service) keeps the baseline from dying
 just because the node that happened to host the store was the one lost.
 """
@@ -15,7 +15,7 @@ from datetime import timedelta
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m demo.c10d_store PORT", file=sys.stderr)
+        print("usage: python -m regroup.demo.c10d_store PORT", file=sys.stderr)
         return 2
     from torch.distributed import TCPStore
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from demo.recorder import JobView
+from regroup.demo.recorder import JobView
 from regroup.records import Progress, ReformPhase
 
 

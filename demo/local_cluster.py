@@ -32,8 +32,8 @@ from typing import Literal
 
 import structlog
 
-from controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodDisruption, PodInfo, Taint
-from demo.processes import AgentLauncher, end_agent, kill_tree, kill_workers
+from regroup.controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodDisruption, PodInfo, Taint
+from regroup.demo.processes import AgentLauncher, end_agent, kill_tree, kill_workers
 
 log = structlog.get_logger("regroup.local_cluster")
 

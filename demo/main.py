@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from demo.scenario import ScenarioError, load_scenario, resolve_scenario_path, with_overrides
+from regroup.demo.scenario import ScenarioError, load_scenario, resolve_scenario_path, with_overrides
 
 BASELINES = ("regroup-restart", "torchrun-c10d")
 T = TypeVar("T")
@@ -69,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _render(run_dirs: list[Path], report_path: Path) -> int:
-    from demo.analysis import load_run
-    from demo.report import build_report, summary_text
+    from regroup.demo.analysis import load_run
+    from regroup.demo.report import build_report, summary_text
 
     runs = [load_run(d) for d in run_dirs]
     build_report(runs, report_path)
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"regroup demo: {exc}", file=sys.stderr)
         return 2
 
-    from demo.nodes import CONTROLLED, RunLayout
-    from demo.runner import run_scenario
+    from regroup.demo.nodes import CONTROLLED, RunLayout
+    from regroup.demo.runner import run_scenario
     from regroup.telemetry import configure_logging, configure_tracing
 
     root = args.out / (args.name or f"{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")

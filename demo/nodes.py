@@ -7,7 +7,7 @@ Three modes play the same scenario with the same trainer and checkpoint cadence:
 - ``regroup-restart``: plain torchrun (``torch.distributed.run``) with the same ``etcd-v3``
   rendezvous and controller: every re-form restarts every worker (the restart path);
 - ``torchrun-c10d``: plain torchrun with its c10d rendezvous and no controller. Its
-  store is a standalone ``TCPStore`` (``demo.c10d_store``), the way a platform
+  store is a standalone ``TCPStore`` (``regroup.demo.c10d_store``), the way a platform
   would run a rendezvous service, so losing the first node does not take it away.
 """
 
@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
-from demo.processes import AgentCommand, AgentLauncher
-from demo.scenario import Scenario
+from regroup.demo.processes import AgentCommand, AgentLauncher
+from regroup.demo.scenario import Scenario
 from regroup.telemetry import SPANS_FILE_ENV
 
 Mode = Literal["regroup", "regroup-restart", "torchrun-c10d"]
@@ -141,7 +141,7 @@ def torchrun_argv(
     scenario: Scenario, mode: Mode, rdzv_endpoint: str, config: Path, monitor_interval: float = 0.1
 ) -> list[str]:
     job = scenario.job
-    launcher = ["-m", "rendezvous.inplace.launcher", "--standby"] if mode == "regroup" else ["-m", "torch.distributed.run"]
+    launcher = ["-m", "regroup.rendezvous.inplace.launcher", "--standby"] if mode == "regroup" else ["-m", "torch.distributed.run"]
     argv = [
         sys.executable, *launcher,
         f"--nnodes={job.min_nodes}:{job.max_nodes}",
@@ -156,7 +156,7 @@ def torchrun_argv(
     else:
         # Every agent is a client of the standalone store.
         argv += ["--rdzv-backend=c10d", "--rdzv-conf=is_host=false"]
-    return argv + ["-m", "trainer", "--config", str(config)]
+    return argv + ["-m", "regroup.trainer", "--config", str(config)]
 
 
 def make_launcher(scenario: Scenario, mode: Mode, layout: RunLayout, rdzv_endpoint: str, config: Path) -> AgentLauncher:

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from demo.nodes import append_jsonl
+from regroup.demo.nodes import append_jsonl
 from regroup.etcd import Deleted, EtcdSettings, Listed, Put, Reflector, ReflectorEvent, connect
 from regroup.keys import JobKey, JobKeys, KeyKind, decode
 from regroup.records import (
@@ -28,7 +28,7 @@ from regroup.records import (
     ReformPlan,
 )
 
-log = structlog.get_logger("demo.recorder")
+log = structlog.get_logger("regroup.demo.recorder")
 
 
 @dataclass

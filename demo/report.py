@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from demo.analysis import (
+from regroup.demo.analysis import (
     RunData,
     continuity_errors,
     cordoned_nodes,

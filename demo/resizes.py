@@ -1,6 +1,6 @@
 """When each resize of a recorded run was decided, re-formed and trained again.
 
-Pure functions over a loaded run (``demo.analysis.RunData``): the scripted resizes, the
+Pure functions over a loaded run (``regroup.demo.analysis.RunData``): the scripted resizes, the
 controller's re-form plans, the worlds the trainer's progress shows, and the latency from
 a resize's cause to the first step of the world after it."""
 
@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from demo.analysis import ProgressSample, RunData, ScriptedEvent, event_impacts, scripted_events, step_interval
+from regroup.demo.analysis import ProgressSample, RunData, ScriptedEvent, event_impacts, scripted_events, step_interval
 from regroup.records import SCHEMA_VERSION, ReformCause, ReformPlan
 
 

@@ -9,11 +9,11 @@ from datetime import timedelta
 
 import structlog
 
-from demo.live import LiveSnapshot, phase_of
-from demo.local_cluster import ClusterEvent, LocalCluster
-from demo.nodes import CONTROLLED, Mode, RunLayout, append_jsonl
-from demo.recorder import JobRecorder
-from demo.scenario import Scenario
+from regroup.demo.live import LiveSnapshot, phase_of
+from regroup.demo.local_cluster import ClusterEvent, LocalCluster
+from regroup.demo.nodes import CONTROLLED, Mode, RunLayout, append_jsonl
+from regroup.demo.recorder import JobRecorder
+from regroup.demo.scenario import Scenario
 
 log = structlog.get_logger("demo")
 
@@ -40,7 +40,7 @@ class RunState:
     started_at: float = 0.0
     """When the job first trained: scenario times count from here."""
     delay: float = 0.0
-    """Seconds the script was pushed back waiting for the job to settle (see ``demo.runner``)."""
+    """Seconds the script was pushed back waiting for the job to settle (see ``regroup.demo.runner``)."""
     flaky: dict[str, FlakyNode] = field(default_factory=dict)
     dealt_with: dict[str, float] = field(default_factory=dict)
     """Flaky node -> when the run first saw it cordoned or gone."""

@@ -20,15 +20,15 @@ from typing import Any, TextIO
 
 import structlog
 
-from controller.cluster import NodeInfo
-from demo.local_cluster import LocalCluster
-from demo.live import LiveView
-from demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
-from demo.recorder import JobRecorder
-from demo.run_state import FlakyNode, RunState
-from demo.scenario import ChurnEvent, Scenario
+from regroup.controller.cluster import NodeInfo
+from regroup.demo.local_cluster import LocalCluster
+from regroup.demo.live import LiveView
+from regroup.demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
+from regroup.demo.recorder import JobRecorder
+from regroup.demo.run_state import FlakyNode, RunState
+from regroup.demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
-from demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import Progress, ReformPhase
 
@@ -192,7 +192,7 @@ async def _start_c10d_store(layout: RunLayout) -> tuple[asyncio.subprocess.Proce
     log_file = open(layout.logs / "c10d-store.log", "ab")  # noqa: SIM115, ASYNC230 - a local log, closed below
     try:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "demo.c10d_store", str(port),
+            sys.executable, "-m", "regroup.demo.c10d_store", str(port),
             env=base_env(layout), stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
         )  # fmt: skip
     finally:
@@ -235,20 +235,20 @@ async def await_vital(awaitable: Any, vital: list[asyncio.Task[Any]], timeout: f
 
 def controller_available() -> bool:
     """Whether this install has the controller runtime (the slim agent-only install has not)."""
-    return importlib.util.find_spec("controller.runtime") is not None
+    return importlib.util.find_spec("regroup.controller.runtime") is not None
 
 
 async def _controller(cluster: LocalCluster, etcd: EtcdSettings, ready: asyncio.Event) -> None:
     # Imported here: the baseline mode runs without the controller.
-    from controller.runtime import run_controller
-    from controller.settings import ControllerSettings
+    from regroup.controller.runtime import run_controller
+    from regroup.controller.settings import ControllerSettings
 
     await run_controller(ControllerSettings(), cluster, cluster, etcd, ready=ready)
 
 
 def _latest_checkpoint(root: Path) -> int | None:
     # Imported here: it brings torch, which only the end of a run needs.
-    from trainer.checkpoint_folders import latest_committed
+    from regroup.trainer.checkpoint_folders import latest_committed
 
     return latest_committed(root) if root.is_dir() else None
 
@@ -284,7 +284,7 @@ async def run_scenario(
             # Tasks whose early end (a crash) ends the run with an error instead of a silent stall.
             vital = [await stack.enter_async_context(owned_task(run.recorder.run(), "recorder"))]
             if mode in CONTROLLED and not controller_available():
-                run.record("demo", "NoController", "controller.runtime is not installed: agents re-form on their own")
+                run.record("demo", "NoController", "regroup.controller.runtime is not installed: agents re-form on their own")
             elif mode in CONTROLLED:
                 ready = asyncio.Event()
                 controller = await stack.enter_async_context(

@@ -40,7 +40,7 @@ from kubeapi.watching import serve_watch
 
 
 class ServerCertificate(Protocol):
-    """Where the files of an HTTPS server certificate are (``demo.etcd_server.TlsFiles`` is one)."""
+    """Where the files of an HTTPS server certificate are (``regroup.demo.etcd_server.TlsFiles`` is one)."""
 
     @property
     def ca(self) -> Path: ...

@@ -12,11 +12,11 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "controller": ("controller.main", "run the elastic controller against a Kubernetes API and etcd"),
-    "status": ("controller.status", "show a job's world size, members, progress and last re-form"),
-    "demo": ("demo.main", "run the whole loop locally: etcd, agents, trainers, controller, churn"),
+    "controller": ("regroup.controller.main", "run the elastic controller against a Kubernetes API and etcd"),
+    "status": ("regroup.controller.status", "show a job's world size, members, progress and last re-form"),
+    "demo": ("regroup.demo.main", "run the whole loop locally: etcd, agents, trainers, controller, churn"),
     "trace-report": ("regroup.trace_report", "re-form latency table from exported spans (OTLP JSON lines)"),
-    "smoke": ("trainer.smoke", "all-reduce + matmul smoke check: bus bandwidth, TFLOP/s and MFU"),
+    "smoke": ("regroup.trainer.smoke", "all-reduce + matmul smoke check: bus bandwidth, TFLOP/s and MFU"),
 }
 
 

@@ -17,14 +17,14 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 
 from regroup import etcd
 from regroup.records import JoinRecord, MemberRecord, RoundState, agent_id
-from rendezvous.connection import JobConnection
-from rendezvous.decisions import Me
-from rendezvous.join_steps import CloseRound
-from rendezvous.settings import RendezvousSettings
-from rendezvous.store import round_prefix
-from rendezvous.watch import JobWatch
+from regroup.rendezvous.connection import JobConnection
+from regroup.rendezvous.decisions import Me
+from regroup.rendezvous.join_steps import CloseRound
+from regroup.rendezvous.settings import RendezvousSettings
+from regroup.rendezvous.store import round_prefix
+from regroup.rendezvous.watch import JobWatch
 
-log = structlog.get_logger("rendezvous.agent")
+log = structlog.get_logger("regroup.rendezvous.agent")
 
 
 class DuplicateNode(RendezvousError):

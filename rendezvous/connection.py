@@ -18,10 +18,10 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from regroup import etcd
 from regroup.etcd import LoopThread
 from regroup.keys import JobKeys
-from rendezvous.settings import RendezvousSettings
-from rendezvous.watch import JobWatch
+from regroup.rendezvous.settings import RendezvousSettings
+from regroup.rendezvous.watch import JobWatch
 
-log = structlog.get_logger("rendezvous.connection")
+log = structlog.get_logger("regroup.rendezvous.connection")
 
 # gRPC reports these when the two ends disagree about TLS; retrying cannot help.
 _TLS_HINTS = ("ssl", "tls", "handshake", "certificate", "wrong version number", "alpn")

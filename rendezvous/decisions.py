@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
-from rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, JoinStep, PutJoin, Wait
+from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, JoinStep, PutJoin, Wait
 
 CLOSE_GRACE_S = 5.0
 """How long the other agents give the new round's live rank 0 to close it before trying themselves."""

@@ -1,11 +1,11 @@
 """``EtcdV3RendezvousHandler``: torchrun's ``RendezvousHandler`` on the etcd v3 API.
 
 torchrun calls it from its (synchronous) agent; the etcd work runs on an asyncio loop
-in a thread. Decisions come from ``rendezvous.decisions`` (pure), the join loop that
-applies them from ``rendezvous.joining``, the writes from ``rendezvous.agent``, the view
-of the job from ``rendezvous.watch``.
+in a thread. Decisions come from ``regroup.rendezvous.decisions`` (pure), the join loop that
+applies them from ``regroup.rendezvous.joining``, the writes from ``regroup.rendezvous.agent``, the view
+of the job from ``regroup.rendezvous.watch``.
 
-Every round gets a fresh agent store in etcd (``rendezvous.store.RoundStore``), so no
+Every round gets a fresh agent store in etcd (``regroup.rendezvous.store.RoundStore``), so no
 stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this one
 (pytorch#135712), and no agent hosts a store the job depends on.
 """
@@ -32,13 +32,13 @@ from torch.distributed.elastic.rendezvous import (
 from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
 from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
-from rendezvous.agent import AgentKeys
-from rendezvous.connection import Shared
-from rendezvous.decisions import Bounds, JobView, count_waiting, round_abandoned, usable_expected
-from rendezvous.joining import ExcludedFromRound, JoinLoop
-from rendezvous.ports import master_port
-from rendezvous.settings import RendezvousSettings
-from rendezvous.store import RoundAbandoned, RoundStore, round_prefix
+from regroup.rendezvous.agent import AgentKeys
+from regroup.rendezvous.connection import Shared
+from regroup.rendezvous.decisions import Bounds, JobView, count_waiting, round_abandoned, usable_expected
+from regroup.rendezvous.joining import ExcludedFromRound, JoinLoop
+from regroup.rendezvous.ports import master_port
+from regroup.rendezvous.settings import RendezvousSettings
+from regroup.rendezvous.store import RoundAbandoned, RoundStore, round_prefix
 
 log = structlog.get_logger("rendezvous")
 

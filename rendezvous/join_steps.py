@@ -1,5 +1,5 @@
-"""What ``rendezvous.decisions.plan_join`` answers: the next step of an agent on its way
-into a round. The join loop (``rendezvous.joining``) applies them."""
+"""What ``regroup.rendezvous.decisions.plan_join`` answers: the next step of an agent on its way
+into a round. The join loop (``regroup.rendezvous.joining``) applies them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``JoinLoop``: one agent's way into the next round, run on the handler's loop thread.
 
-It applies the steps ``rendezvous.decisions.plan_join`` decides (write the join record,
+It applies the steps ``regroup.rendezvous.decisions.plan_join`` decides (write the join record,
 close the round, wait for the view to change) until the agent has a rank, and turns the
 steps that end its rendezvous (left out, closed, conflicting bounds, timeouts) into
 torch's rendezvous errors.
@@ -22,11 +22,11 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
-from rendezvous.agent import AgentKeys, DuplicateNode
-from rendezvous.decisions import Bounds, plan_join
-from rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
-from rendezvous.settings import RendezvousSettings
-from rendezvous.watch import JobWatch
+from regroup.rendezvous.agent import AgentKeys, DuplicateNode
+from regroup.rendezvous.decisions import Bounds, plan_join
+from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
+from regroup.rendezvous.settings import RendezvousSettings
+from regroup.rendezvous.watch import JobWatch
 
 log = structlog.get_logger("rendezvous")
 

@@ -12,13 +12,13 @@ from collections.abc import Callable, Mapping
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-from rendezvous.settings import parse_settings
+from regroup.rendezvous.settings import parse_settings
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build an ``EtcdV3RendezvousHandler`` from torchrun's parameters and the environment."""
     # Imported here: torch loads this module while its own rendezvous package initialises.
-    from rendezvous.handler import EtcdV3RendezvousHandler
+    from regroup.rendezvous.handler import EtcdV3RendezvousHandler
 
     _configure_logging()
     _configure_tracing(os.environ)

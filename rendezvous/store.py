@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from regroup.etcd import LoopThread
-from rendezvous.connection import JobConnection
+from regroup.rendezvous.connection import JobConnection
 
 
 EXIT_BARRIER = "torchelastic/agent/terminal_state"

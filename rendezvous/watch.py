@@ -25,9 +25,9 @@ from regroup.records import (
     ReformRequest,
     RoundState,
 )
-from rendezvous.decisions import JobView
+from regroup.rendezvous.decisions import JobView
 
-log = structlog.get_logger("rendezvous.watch")
+log = structlog.get_logger("regroup.rendezvous.watch")
 
 PUBLISH_INTERVAL_S = 0.005
 WAKE_COST_S = 0.00003

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from regroup.etcd import EtcdSettings, LoopThread, connect, loop_threads
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 
 REPO = Path(__file__).resolve().parent.parent
 

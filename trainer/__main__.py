@@ -1,4 +1,4 @@
-"""``torchrun ... -m trainer --config train.yaml [--set a.b=value ...]`` (or ``regroup-train``).
+"""``torchrun ... -m regroup.trainer --config train.yaml [--set a.b=value ...]`` (or ``regroup-train``).
 
 The edge of the trainer: reads argv and the environment once, configures logs and
 traces, and runs one ``TrainingRun``. Exits 0 when max_steps is reached, 128+signal
@@ -19,10 +19,10 @@ import structlog
 
 from regroup.failures import failure_kind, record_failure
 from regroup.telemetry import configure_logging, configure_tracing
-from trainer.batching import BatchSplitError
-from trainer.config import ConfigError
-from trainer.config_loading import load_config
-from trainer.stopping import StopSignal, hard_exit
+from regroup.trainer.batching import BatchSplitError
+from regroup.trainer.config import ConfigError
+from regroup.trainer.config_loading import load_config
+from regroup.trainer.stopping import StopSignal, hard_exit
 
 log = structlog.get_logger("regroup.trainer")
 
@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Imported after the config is known good: torch takes seconds to import.
-    from rendezvous.inplace.membership import ReformFailed
-    from rendezvous.inplace.world import ElasticWorld
-    from trainer.control import JobChannel
-    from trainer.distributed import backend_for, pick_device, runtime_on_default_group
-    from trainer.loop import RunInfo, TrainingRun
+    from regroup.rendezvous.inplace.membership import ReformFailed
+    from regroup.rendezvous.inplace.world import ElasticWorld
+    from regroup.trainer.control import JobChannel
+    from regroup.trainer.distributed import backend_for, pick_device, runtime_on_default_group
+    from regroup.trainer.loop import RunInfo, TrainingRun
 
     stop = StopSignal()
     # Under torchrun, a worker outliving its agent is an orphan nobody will stop.

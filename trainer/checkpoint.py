@@ -7,8 +7,8 @@ returns after that). A folder without the marker is never loaded and is removed 
 next start. Loading works at any world size: DCP reshards by the global tensor metadata.
 
 The ``Checkpointer`` saves (sync, or async on a writer thread after a copy to host memory,
-``trainer.host_copy``), commits, prunes and loads; the folders and their marker are
-``trainer.checkpoint_folders``, the state saved is ``trainer.app_state``.
+``regroup.trainer.host_copy``), commits, prunes and loads; the folders and their marker are
+``regroup.trainer.checkpoint_folders``, the state saved is ``regroup.trainer.app_state``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer.app_state import AppState
-from trainer.checkpoint_folders import (
+from regroup.trainer.app_state import AppState
+from regroup.trainer.checkpoint_folders import (
     COMMIT_MARKER,
     checkpoint_id,
     latest_committed,
@@ -38,9 +38,9 @@ from trainer.checkpoint_folders import (
     step_dir,
     write_commit_marker,
 )
-from trainer.config import CheckpointConfig
-from trainer.distributed import Runtime
-from trainer.host_copy import HostCopy
+from regroup.trainer.config import CheckpointConfig
+from regroup.trainer.distributed import Runtime
+from regroup.trainer.host_copy import HostCopy
 
 log = structlog.get_logger("regroup.trainer.checkpoint")
 

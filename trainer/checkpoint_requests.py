@@ -11,18 +11,18 @@ import structlog
 
 from regroup.records import CheckpointAck, CheckpointRequest
 from regroup.telemetry import context_from_traceparent
-from trainer.boundary import agree
-from trainer.checkpoint_folders import checkpoint_id, folder_bytes, step_dir
+from regroup.trainer.boundary import agree
+from regroup.trainer.checkpoint_folders import checkpoint_id, folder_bytes, step_dir
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
-    from trainer.app_state import TrainerState
-    from trainer.checkpoint import Checkpointer
-    from trainer.control import JobChannel
-    from trainer.distributed import Runtime
-    from trainer.progress import Counters
-    from trainer.stopping import StopSignal
+    from regroup.trainer.app_state import TrainerState
+    from regroup.trainer.checkpoint import Checkpointer
+    from regroup.trainer.control import JobChannel
+    from regroup.trainer.distributed import Runtime
+    from regroup.trainer.progress import Counters
+    from regroup.trainer.stopping import StopSignal
 
 log = structlog.get_logger("regroup.trainer")
 
@@ -31,9 +31,9 @@ _HOLD_POLL_S = 0.2
 
 
 class CheckpointRequests:
-    """Answering checkpoint requests (a part of ``trainer.loop.TrainingRun``; ``save`` is the
-    run's, ``publish`` is ``trainer.progress``'s, ``_reform_due`` and ``_leave_if_due`` are
-    ``trainer.inplace_reform``'s)."""
+    """Answering checkpoint requests (a part of ``regroup.trainer.loop.TrainingRun``; ``save`` is the
+    run's, ``publish`` is ``regroup.trainer.progress``'s, ``_reform_due`` and ``_leave_if_due`` are
+    ``regroup.trainer.inplace_reform``'s)."""
 
     rt: Runtime
     stop: StopSignal

@@ -2,7 +2,7 @@
 
 Every field says what it means; a bad value raises ``ConfigError`` with a message that
 names the field (``batch.global_batch_size: must be >= 1``). Building the tree from a
-file, ``--set`` overrides and the environment is ``trainer.config_loading``'s job.
+file, ``--set`` overrides and the environment is ``regroup.trainer.config_loading``'s job.
 """
 
 from __future__ import annotations

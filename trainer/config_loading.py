@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from trainer.config import ConfigError, TrainConfig
-from trainer.config_parsing import build
+from regroup.trainer.config import ConfigError, TrainConfig
+from regroup.trainer.config_parsing import build
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
-from trainer.config import ConfigError
+from regroup.trainer.config import ConfigError
 
 
 def parse_duration(value: Any, name: str) -> timedelta:

@@ -29,7 +29,7 @@ from regroup.etcd import (
 )
 from regroup.keys import JobKeys, KeyKind, decode
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, RecordError, ReformRequest
-from trainer.config import EtcdConfig
+from regroup.trainer.config import EtcdConfig
 
 log = structlog.get_logger("regroup.trainer.control")
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from trainer.config import DataConfig, ModelConfig
+from regroup.trainer.config import DataConfig, ModelConfig
 
 _MASK64 = (1 << 64) - 1
 _DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}

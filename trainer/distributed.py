@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer.config import ModelConfig
-from trainer.reshard import forget_old_meshes
-from trainer.model import Decoder
+from regroup.trainer.config import ModelConfig
+from regroup.trainer.reshard import forget_old_meshes
+from regroup.trainer.model import Decoder
 
 
 @dataclass(frozen=True)

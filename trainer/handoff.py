@@ -4,7 +4,7 @@ At the agreed step boundary of a planned re-form every rank of the old world is 
 there. Ranks whose node is leaving (its agent said so: the controller's expected
 membership leaves it out) send their held state to a survivor over the old process
 group; the survivors then hold every old rank's shards between them, and the new world
-rebuilds its sharding from memory (``trainer.reshard.redistribute``) instead of reading
+rebuilds its sharding from memory (``regroup.trainer.reshard.redistribute``) instead of reading
 the checkpoint just written. Donors are spread over survivors round-robin.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.reshard import HeldState
+from regroup.trainer.reshard import HeldState
 
 
 def hand_off(held: HeldState, leaving: bool, group: dist.ProcessGroup | None = None) -> list[HeldState]:

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rendezvous.inplace.membership import Interrupted, Membership, ReformFailed
-from trainer.boundary import Boundary
-from trainer.distributed import Runtime, runtime_on_default_group
-from trainer.handoff import hand_off
-from trainer.reshard import HeldState, hold_state
-from trainer.world_change import WorldChange
+from regroup.rendezvous.inplace.membership import Interrupted, Membership, ReformFailed
+from regroup.trainer.boundary import Boundary
+from regroup.trainer.distributed import Runtime, runtime_on_default_group
+from regroup.trainer.handoff import hand_off
+from regroup.trainer.reshard import HeldState, hold_state
+from regroup.trainer.world_change import WorldChange
 
 if TYPE_CHECKING:
     from typing import Any
@@ -25,13 +25,13 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from rendezvous.inplace.world import ElasticWorld
-    from trainer.app_state import TrainerState
-    from trainer.checkpoint import Checkpointer
-    from trainer.config import TrainConfig
-    from trainer.progress import Counters
-    from trainer.snapshot import Snapshots
-    from trainer.stopping import StopSignal
+    from regroup.rendezvous.inplace.world import ElasticWorld
+    from regroup.trainer.app_state import TrainerState
+    from regroup.trainer.checkpoint import Checkpointer
+    from regroup.trainer.config import TrainConfig
+    from regroup.trainer.progress import Counters
+    from regroup.trainer.snapshot import Snapshots
+    from regroup.trainer.stopping import StopSignal
 
 log = structlog.get_logger("regroup.trainer")
 
@@ -41,7 +41,7 @@ _ANNOUNCE_WAIT = timedelta(seconds=2)
 
 
 class InPlaceReforms:
-    """Changing world in place (a part of ``trainer.loop.TrainingRun``; ``_attach``,
+    """Changing world in place (a part of ``regroup.trainer.loop.TrainingRun``; ``_attach``,
     ``resume`` and ``_fault_step`` are the run's)."""
 
     cfg: TrainConfig

@@ -9,8 +9,8 @@ group (at the agreed boundary, or when a collective failed because a peer went a
 forms the next one through ``ElasticWorld``, rebuilds what depends on the world (batch
 plan, FSDP2 sharding, optimizer, checkpointer) and restores the state, then trains on.
 
-Its parts: ``trainer.progress`` (what rank 0 publishes), ``trainer.checkpoint_requests``
-(requests, the hold at a boundary), ``trainer.inplace_reform`` (changing world in place).
+Its parts: ``regroup.trainer.progress`` (what rank 0 publishes), ``regroup.trainer.checkpoint_requests``
+(requests, the hold at a boundary), ``regroup.trainer.inplace_reform`` (changing world in place).
 """
 
 from __future__ import annotations
@@ -30,28 +30,28 @@ import torch.nn.functional as F
 from opentelemetry import trace
 
 from regroup.records import CheckpointRequest
-from trainer.app_state import AppState, TrainerState
-from trainer.batching import BatchPlan, plan_batches
-from trainer.boundary import Boundary, agree
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folders import latest_committed
-from trainer.checkpoint_requests import CheckpointRequests
-from trainer.config import TrainConfig
-from trainer.control import JobChannel, pending_generation
-from trainer.data import batch, make_source
-from trainer.distributed import Runtime, build_sharded_model
-from trainer.inplace_reform import InPlaceReforms
-from trainer.model import count_parameters
-from trainer.progress import Counters, ProgressReports
-from trainer.reshard import HeldState, redistribute
-from trainer.schedule import lr_at
-from trainer.snapshot import Snapshots
-from trainer.stopping import StopSignal, exit_code
-from trainer.world_change import WorldChange
-from rendezvous.inplace.membership import Interrupted
+from regroup.trainer.app_state import AppState, TrainerState
+from regroup.trainer.batching import BatchPlan, plan_batches
+from regroup.trainer.boundary import Boundary, agree
+from regroup.trainer.checkpoint import Checkpointer
+from regroup.trainer.checkpoint_folders import latest_committed
+from regroup.trainer.checkpoint_requests import CheckpointRequests
+from regroup.trainer.config import TrainConfig
+from regroup.trainer.control import JobChannel, pending_generation
+from regroup.trainer.data import batch, make_source
+from regroup.trainer.distributed import Runtime, build_sharded_model
+from regroup.trainer.inplace_reform import InPlaceReforms
+from regroup.trainer.model import count_parameters
+from regroup.trainer.progress import Counters, ProgressReports
+from regroup.trainer.reshard import HeldState, redistribute
+from regroup.trainer.schedule import lr_at
+from regroup.trainer.snapshot import Snapshots
+from regroup.trainer.stopping import StopSignal, exit_code
+from regroup.trainer.world_change import WorldChange
+from regroup.rendezvous.inplace.membership import Interrupted
 
 if TYPE_CHECKING:
-    from rendezvous.inplace.world import ElasticWorld
+    from regroup.rendezvous.inplace.world import ElasticWorld
 
 log = structlog.get_logger("regroup.trainer")
 

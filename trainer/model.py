@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
+from regroup.trainer.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -16,15 +16,15 @@ from regroup.telemetry import context_from_traceparent
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
-    from rendezvous.inplace.world import ElasticWorld
-    from trainer.app_state import TrainerState
-    from trainer.checkpoint import Checkpointer
-    from trainer.config import TrainConfig
-    from trainer.control import JobChannel
-    from trainer.distributed import Runtime
-    from trainer.loop import RunInfo
-    from trainer.snapshot import Snapshots
-    from trainer.world_change import WorldChange
+    from regroup.rendezvous.inplace.world import ElasticWorld
+    from regroup.trainer.app_state import TrainerState
+    from regroup.trainer.checkpoint import Checkpointer
+    from regroup.trainer.config import TrainConfig
+    from regroup.trainer.control import JobChannel
+    from regroup.trainer.distributed import Runtime
+    from regroup.trainer.loop import RunInfo
+    from regroup.trainer.snapshot import Snapshots
+    from regroup.trainer.world_change import WorldChange
 
 # How long rank 0 waits for etcd to take its progress before a commit or a re-form.
 _RECORD_WAIT = timedelta(milliseconds=500)
@@ -47,7 +47,7 @@ class Counters:
 
 
 class ProgressReports:
-    """The training run's progress publishing (a part of ``trainer.loop.TrainingRun``)."""
+    """The training run's progress publishing (a part of ``regroup.trainer.loop.TrainingRun``)."""
 
     cfg: TrainConfig
     rt: Runtime

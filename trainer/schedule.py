@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import OptimConfig
+from regroup.trainer.config import OptimConfig
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:

@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.smoke", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m regroup.trainer.smoke", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -5,7 +5,7 @@ Every K steps, at the agreed step boundary, each rank copies its model and optim
 copy to its *buddy* while the next step computes; the rank receives the copy of the rank
 whose buddy it is. When a node dies without notice, the survivors hold, between their own
 snapshots and their buddies' copies, every old rank's shards at one step, and rebuild the
-new world's sharding from memory (``trainer.reshard.redistribute``): at most K steps are
+new world's sharding from memory (``regroup.trainer.reshard.redistribute``): at most K steps are
 lost instead of everything since the last committed checkpoint.
 
 Consistency follows the rule of ``COMMITTED`` for storage: a generation (the snapshots of
@@ -19,8 +19,8 @@ A rank and its buddy are on different nodes, and in different failure domains wh
 ranks know theirs (``REGROUP_FAILURE_DOMAIN``, else the node's zone, ``REGROUP_ZONE``, which
 the topology init container exports).
 
-The buffers' layout and the choice of buddies are ``trainer.snapshot_layout``; the memory
-check and the measured cost behind ``every: auto`` are ``trainer.snapshot_cost``.
+The buffers' layout and the choice of buddies are ``regroup.trainer.snapshot_layout``; the memory
+check and the measured cost behind ``every: auto`` are ``regroup.trainer.snapshot_cost``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.reshard import HeldState, flat_state, split_state
-from trainer.snapshot_cost import (
+from regroup.trainer.reshard import HeldState, flat_state, split_state
+from regroup.trainer.snapshot_cost import (
     CostMeter,
     SnapshotMemoryError,
     check_host_memory,
@@ -45,7 +45,7 @@ from trainer.snapshot_cost import (
     interval_for,
     state_bytes,
 )
-from trainer.snapshot_layout import STAMP, Layout, buddies, layout_for
+from regroup.trainer.snapshot_layout import STAMP, Layout, buddies, layout_for
 
 log = structlog.get_logger("regroup.trainer.snapshot")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from trainer.config import ConfigError
+from regroup.trainer.config import ConfigError
 
 STALL_BUDGET = 0.02
 """With ``every: auto``: the share of step time snapshots may cost."""

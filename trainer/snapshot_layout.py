@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.reshard import HeldState, chunk_rows
+from regroup.trainer.reshard import HeldState, chunk_rows
 
 _ALIGN = 16
 STAMP = torch.int64

@@ -32,9 +32,9 @@ from bench.chaos.invariants import (
 from bench.chaos.job import GLOBAL_BATCH, ChaosJob, JobShape, Shutdown
 from bench.chaos.observe import Finding
 from bench.chaos.plan import CONTROLLER_KILL, KINDS, Fault, draw_plan
-from demo.nodes import RunLayout
+from regroup.demo.nodes import RunLayout
 from regroup.records import ReformPhase
-from trainer.checkpoint_folders import list_steps
+from regroup.trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
 

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     from bench.chaos.campaign import CampaignSettings, run_campaign
     from bench.chaos.report import render, to_json
-    from demo.main import cancelled_by_sigterm, exit_codes
+    from regroup.demo.main import cancelled_by_sigterm, exit_codes
     from regroup.telemetry import configure_logging, configure_tracing
 
     root = args.out / (args.name or f"chaos-{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -31,7 +31,7 @@ from bench.chaos.plan import (
     WATCH_DROP,
     Fault,
 )
-from demo.scenario import DEFAULT_RECLAIM_TAINT
+from regroup.demo.scenario import DEFAULT_RECLAIM_TAINT
 from regroup.records import ReformPhase
 
 log = structlog.get_logger("bench.chaos")

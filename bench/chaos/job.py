@@ -29,15 +29,15 @@ from bench.chaos.observe import (
     ProcessLedger,
     marked_processes,
 )
-from demo.local_cluster import ClusterEvent, LocalCluster
-from demo.processes import AgentCommand
-from controller.runtime import run_controller
-from controller.settings import ControllerSettings, RuntimeSettings
-from demo.nodes import NAMESPACE, RunLayout, append_jsonl, make_launcher, write_trainer_config
-from demo.runner import STARTUP_TIMEOUT, await_vital
-from demo.scenario import JobSpec, Scenario
+from regroup.demo.local_cluster import ClusterEvent, LocalCluster
+from regroup.demo.processes import AgentCommand
+from regroup.controller.runtime import run_controller
+from regroup.controller.settings import ControllerSettings, RuntimeSettings
+from regroup.demo.nodes import NAMESPACE, RunLayout, append_jsonl, make_launcher, write_trainer_config
+from regroup.demo.runner import STARTUP_TIMEOUT, await_vital
+from regroup.demo.scenario import JobSpec, Scenario
 from regroup.etcd import EtcdSettings, connect
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 from regroup.keys import JobKeys
 
 log = structlog.get_logger("bench.chaos")

@@ -18,14 +18,14 @@ from typing import TypeVar
 import structlog
 import torch.distributed.checkpoint  # noqa: F401 - torch takes seconds to import: before any event loop runs
 
-from demo.local_cluster import LocalCluster
-from demo.processes import process_tree
-from demo.nodes import RunLayout
-from demo.recorder import JobRecorder
+from regroup.demo.local_cluster import LocalCluster
+from regroup.demo.processes import process_tree
+from regroup.demo.nodes import RunLayout
+from regroup.demo.recorder import JobRecorder
 from regroup.etcd import EtcdSettings
 from regroup.keys import JobKey, JobKeys, KeyKind
 from regroup.records import CheckpointAck, JoinRecord, Progress, ReformPhase, RoundState
-from trainer.checkpoint_folders import list_steps
+from regroup.trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
 

@@ -8,8 +8,8 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from controller.cluster import NodeInfo, Taint
-from controller.decide import decide
+from regroup.controller.cluster import NodeInfo, Taint
+from regroup.controller.decide import decide
 from regroup.keys import JobKeys
 
 from .direct import DirectFeed, direct_harness

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from controller.cluster import NodeInfo, Taint
+from regroup.controller.cluster import NodeInfo, Taint
 
 from .harness import Harness, latency_summary, offer, peak_rss_mb
 from .storm import NAMESPACE, Event, Layout, pod_info, replayed

@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench._stats import percentile
-from controller.cluster import ObjectRef
-from controller.metrics import ControllerMetrics
-from controller.model import ClusterModel, JobId
-from controller.reconciler import Outcome, Reconciler
-from controller.runtime import ReconcileLoop, freeze_listed_heap
-from controller.settings import ControllerSettings
-from controller.workqueue import WorkQueue
+from regroup.controller.cluster import ObjectRef
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.model import ClusterModel, JobId
+from regroup.controller.reconciler import Outcome, Reconciler
+from regroup.controller.runtime import ReconcileLoop, freeze_listed_heap
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.workqueue import WorkQueue
 from regroup.keys import JobKeys
 from regroup.records import Progress
 

@@ -67,8 +67,8 @@ class StampingSink:
 async def watched(layout: Layout, workers: int) -> AsyncIterator[tuple[StandinProcess, Harness, StampingSink, float]]:
     """A fresh stand-in process and a controller harness fed by the real list+watch source
     from it, listed and settled: (stand-in, harness, sink, seconds the initial list took)."""
-    from controller.kube.api import RawKube, load_api_client
-    from controller.kube.source import KubeSource
+    from regroup.controller.kube.api import RawKube, load_api_client
+    from regroup.controller.kube.source import KubeSource
 
     async with StandinProcess(layout) as standin:
         api_client = await load_api_client(standin.kubeconfig)
@@ -152,7 +152,7 @@ async def run_http_paced(layout: Layout, seed: int, workers: int, rate: float, c
 
 async def run_anchor(layout: Layout, count: int, seed: int) -> dict[str, Any]:
     """The stand-in alone: the same storm, read by a watch consumer that only decodes lines."""
-    from controller.kube.api import RawKube, load_api_client
+    from regroup.controller.kube.api import RawKube, load_api_client
 
     async with StandinProcess(layout) as standin:
         api_client = await load_api_client(standin.kubeconfig)

@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from controller.cluster import PodInfo
-from controller.signals import RECLAIM_SIGNALS
+from regroup.controller.cluster import PodInfo
+from regroup.controller.signals import RECLAIM_SIGNALS
 from regroup.keys import JobKeys
 from regroup.records import MemberRecord
 

@@ -9,7 +9,7 @@ mode after the other on the same machine:
   re-form restarts every worker;
 - ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller.
 
-For each mode it measures, from the recorded run (``demo.analysis``):
+For each mode it measures, from the recorded run (``regroup.demo.analysis``):
 
 - planned reclaim: the reclaim taint -> the first training step at one node fewer, and
   the steps lost;

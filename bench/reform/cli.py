@@ -16,9 +16,9 @@ from pathlib import Path
 
 from bench.reform.play import MODES, TAIL_S, VARIANTS, fitting, play
 from bench.reform.report import METRICS, measure, render
-from demo.analysis import RunData, load_run
-from demo.main import exit_codes
-from demo.scenario import (
+from regroup.demo.analysis import RunData, load_run
+from regroup.demo.main import exit_codes
+from regroup.demo.scenario import (
     JobSpec,
     ScenarioError,
     load_scenario,

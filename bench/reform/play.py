@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from demo.main import cancelled_by_sigterm
-from demo.scenario import Scenario
+from regroup.demo.main import cancelled_by_sigterm
+from regroup.demo.scenario import Scenario
 
 MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d")
 """In the order they are played; the first is the reference of every ratio."""
@@ -38,8 +38,8 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
-    from demo.nodes import RunLayout
-    from demo.runner import run_scenario
+    from regroup.demo.nodes import RunLayout
+    from regroup.demo.runner import run_scenario
     from regroup.telemetry import JsonLinesSpanExporter, configure_logging, configure_tracing
 
     class RunSpans(SpanExporter):

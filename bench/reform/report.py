@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from demo.analysis import RunData, event_impacts, goodput
-from demo.resizes import reform_latencies, training_at, world_changes
+from regroup.demo.analysis import RunData, event_impacts, goodput
+from regroup.demo.resizes import reform_latencies, training_at, world_changes
 from regroup.records import Progress
 
 

@@ -53,7 +53,7 @@ import structlog
 
 from bench.rendezvous.fleet import Fleet, Result, write_lever
 from bench.rendezvous.join_window import WindowResult, measure_window, window_table
-from demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer, free_port
 
 BACKENDS = ("etcd-v3", "c10d", "etcd-v2")
 

@@ -12,9 +12,9 @@ from typing import Any
 from regroup.etcd import EtcdSettings, connect
 from regroup.keys import JobKeys
 from regroup.records import ExpectedMembership, ReformCause, ReformRequest
-from rendezvous.connection import Shared
-from rendezvous.handler import EtcdV3RendezvousHandler
-from rendezvous.settings import parse_settings
+from regroup.rendezvous.connection import Shared
+from regroup.rendezvous.handler import EtcdV3RendezvousHandler
+from regroup.rendezvous.settings import parse_settings
 
 
 @dataclass

@@ -15,18 +15,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from controller.decide.alerts import flapping, rendezvous_on_gpu
-from controller.decide.health import assess, keep_exclusions, restart_storms, waiting_joiners, world_of
-from controller.decide.job_status import write_status
-from controller.decide.out import Out, summarize
-from controller.decide.phases import advance
-from controller.decide.situation import Situation
-from controller.decide.start import start
-from controller.decide.writes import finish
-from controller.disruption import pod_notices
-from controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig
-from controller.settings import ControllerSettings
-from controller.snapshot import AFTER_PREVIOUS_PLAN, Alerts, Decision, JobSnapshot, PostEvent, WritePresence
+from regroup.controller.decide.alerts import flapping, rendezvous_on_gpu
+from regroup.controller.decide.health import assess, keep_exclusions, restart_storms, waiting_joiners, world_of
+from regroup.controller.decide.job_status import write_status
+from regroup.controller.decide.out import Out, summarize
+from regroup.controller.decide.phases import advance
+from regroup.controller.decide.situation import Situation
+from regroup.controller.decide.start import start
+from regroup.controller.decide.writes import finish
+from regroup.controller.disruption import pod_notices
+from regroup.controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import AFTER_PREVIOUS_PLAN, Alerts, Decision, JobSnapshot, PostEvent, WritePresence
 from regroup.records import ControllerPresence, ReformOutcome, ReformPhase
 
 __all__ = ["Decision", "decide", "summarize"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controller.cluster import PodInfo
-from controller.decide.out import Out
-from controller.settings import ControllerSettings
-from controller.snapshot import JobSnapshot, PostEvent
+from regroup.controller.cluster import PodInfo
+from regroup.controller.decide.out import Out
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import JobSnapshot, PostEvent
 
 
 def rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: Out) -> bool:

@@ -10,20 +10,20 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
-from controller.cluster import ObjectRef, PodInfo
-from controller.decide.out import Out
-from controller.disruption import PodNotice
-from controller.exclusions import LeavingNodes, exclusions_update
-from controller.jobconfig import JobConfig
-from controller.settings import ControllerSettings
-from controller.signals import (
+from regroup.controller.cluster import ObjectRef, PodInfo
+from regroup.controller.decide.out import Out
+from regroup.controller.disruption import PodNotice
+from regroup.controller.exclusions import LeavingNodes, exclusions_update
+from regroup.controller.jobconfig import JobConfig
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.signals import (
     ReclaimNotice,
     ends_earlier,
     member_seen_key,
     node_verdict,
     signal_key,
 )
-from controller.snapshot import Cordon, DeletePod, JobSnapshot, PostEvent
+from regroup.controller.snapshot import Cordon, DeletePod, JobSnapshot, PostEvent
 from regroup.records import MemberRecord, ReformOutcome, ReformPhase
 
 
@@ -163,7 +163,7 @@ def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now
     probation (its own workers just failed, or are still starting up) is not one yet."""
     world_round, members = s.world_round, s.members
     waiting = []
-    # A member outside the round is a suspect (``controller.suspects``): look no further.
+    # A member outside the round is a suspect (``regroup.controller.suspects``): look no further.
     for n in s.suspects:
         m = members.get(n)
         if m is None or m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
@@ -182,7 +182,7 @@ def joiner_seen(s: JobSnapshot, node: str) -> float:
 
 
 def keep_exclusions(s: JobSnapshot, config: JobConfig, health: Health, now: float, out: Out) -> None:
-    """Keep ``control/excluded`` equal to the job's leaving nodes (``controller.exclusions``)."""
+    """Keep ``control/excluded`` equal to the job's leaving nodes (``regroup.controller.exclusions``)."""
     leaving = LeavingNodes(health.notices, health.storm, health.pods)
     write = exclusions_update(s, config.reclaim_taints, leaving, now)
     if write is not None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from datetime import timedelta
 
-from controller.decide.out import Out
-from controller.jobconfig import JobConfig
-from controller.snapshot import JobSnapshot, WriteStatus
+from regroup.controller.decide.out import Out
+from regroup.controller.jobconfig import JobConfig
+from regroup.controller.snapshot import JobSnapshot, WriteStatus
 from regroup.records import JobStatus
 
 NODES_EVERY = timedelta(seconds=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
-from controller.jobconfig import JobConfig
-from controller.snapshot import Action, Alerts, Decision, WritePlan
+from regroup.controller.jobconfig import JobConfig
+from regroup.controller.snapshot import Action, Alerts, Decision, WritePlan
 
 
 class Out:

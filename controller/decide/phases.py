@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from controller.decide.situation import Situation
-from controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
-from controller.signals import signal_key
-from controller.snapshot import JobSnapshot, WriteCheckpointRequest, WritePlan
+from regroup.controller.decide.situation import Situation
+from regroup.controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
+from regroup.controller.signals import signal_key
+from regroup.controller.snapshot import JobSnapshot, WriteCheckpointRequest, WritePlan
 from regroup.records import ReformOutcome, ReformPhase, ReformPlan, evolve
 
 PhaseStep = Callable[[Situation, ReformPlan, list[str]], str]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from controller.decide.health import Health
-from controller.decide.out import Out
-from controller.jobconfig import JobConfig
-from controller.settings import ControllerSettings
-from controller.snapshot import JobSnapshot
+from regroup.controller.decide.health import Health
+from regroup.controller.decide.out import Out
+from regroup.controller.jobconfig import JobConfig
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import JobSnapshot
 
 
 class Situation(NamedTuple):

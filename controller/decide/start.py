@@ -7,14 +7,14 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from controller.cluster import PodInfo
-from controller.decide.health import joiner_seen
-from controller.decide.out import Out
-from controller.decide.situation import Situation
-from controller.decide.writes import checkpoint_request, reform_request_fields, reform_writes
-from controller.signals import ReclaimNotice
-from controller.snapshot import JobSnapshot, PostEvent, WriteCheckpointRequest, WritePlan
-from controller.trace_ids import new_trace_id
+from regroup.controller.cluster import PodInfo
+from regroup.controller.decide.health import joiner_seen
+from regroup.controller.decide.out import Out
+from regroup.controller.decide.situation import Situation
+from regroup.controller.decide.writes import checkpoint_request, reform_request_fields, reform_writes
+from regroup.controller.signals import ReclaimNotice
+from regroup.controller.snapshot import JobSnapshot, PostEvent, WriteCheckpointRequest, WritePlan
+from regroup.controller.trace_ids import new_trace_id
 from regroup.records import ReformCause, ReformPhase, ReformPlan
 
 

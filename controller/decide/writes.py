@@ -10,10 +10,10 @@ from collections.abc import Iterable
 from operator import attrgetter
 from typing import Any
 
-from controller.decide.out import Out
-from controller.reform_summary import resize_message
-from controller.snapshot import JobSnapshot, PostPodEvents, WriteExpected, WritePlan, WriteReform
-from controller.trace_ids import traceparent
+from regroup.controller.decide.out import Out
+from regroup.controller.reform_summary import resize_message
+from regroup.controller.snapshot import JobSnapshot, PostPodEvents, WriteExpected, WritePlan, WriteReform
+from regroup.controller.trace_ids import traceparent
 from regroup.records import (
     CheckpointRequest,
     ExpectedMembership,

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import structlog
 
-from controller.cluster import ObjectRef
-from controller.kube.api import KubeError, RawKube
-from controller.settings import KubeSettings
+from regroup.controller.cluster import ObjectRef
+from regroup.controller.kube.api import KubeError, RawKube
+from regroup.controller.settings import KubeSettings
 
 log = structlog.get_logger("regroup.controller.kube")
 

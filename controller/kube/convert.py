@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, TypedDict
 
-from controller.cluster import JOB_LABEL, NodeInfo, PodDisruption, PodInfo, Taint
-from controller.signals import POD_DISRUPTION
+from regroup.controller.cluster import JOB_LABEL, NodeInfo, PodDisruption, PodInfo, Taint
+from regroup.controller.signals import POD_DISRUPTION
 
 
 class ObjectMeta(TypedDict, total=False):

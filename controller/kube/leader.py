@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import structlog
 
-from controller.kube.api import KubeError, RawKube
-from controller.metrics import ControllerMetrics
-from controller.settings import KubeSettings
+from regroup.controller.kube.api import KubeError, RawKube
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.settings import KubeSettings
 
 log = structlog.get_logger("regroup.controller.leader")
 

@@ -16,11 +16,11 @@ from typing import Any
 import aiohttp
 import structlog
 
-from controller.cluster import JOB_LABEL, ClusterSink
-from controller.kube.api import KubeError, RawKube
-from controller.kube.convert import node_info, pod_info
-from controller.metrics import ControllerMetrics
-from controller.settings import KubeSettings
+from regroup.controller.cluster import JOB_LABEL, ClusterSink
+from regroup.controller.kube.api import KubeError, RawKube
+from regroup.controller.kube.convert import node_info, pod_info
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.settings import KubeSettings
 
 log = structlog.get_logger("regroup.controller.kube")
 

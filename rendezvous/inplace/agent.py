@@ -29,8 +29,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, Worker, Worker
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
 
-from rendezvous.store import RoundAbandoned
-from rendezvous.inplace.channel import CHANNEL_ENV, STANDBY_ENV, NodeWorld, RankSlot, WorkerReport, write_atomically, WORLD_FILE
+from regroup.rendezvous.store import RoundAbandoned
+from regroup.rendezvous.inplace.channel import CHANNEL_ENV, STANDBY_ENV, NodeWorld, RankSlot, WorkerReport, write_atomically, WORLD_FILE
 
 log = structlog.get_logger("regroup.inplace.agent")
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import structlog
 import torch.distributed as dist
 
-from rendezvous.inplace.membership import Membership, ReformFailed, Superseded
+from regroup.rendezvous.inplace.membership import Membership, ReformFailed, Superseded
 
 log = structlog.get_logger("regroup.inplace.world")
 

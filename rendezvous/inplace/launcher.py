@@ -5,7 +5,7 @@ script, error files and exit codes) with ``InPlaceAgent`` in place of ``LocalEla
 plus flags of its own::
 
     regroup-run --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd:2379 --rdzv-id=$JOB \\
-                --nnodes=2:4 --nproc-per-node=8 [--standby] [--in-place=off] -m trainer ...
+                --nnodes=2:4 --nproc-per-node=8 [--standby] [--in-place=off] -m regroup.trainer ...
 
 ``--in-place=off`` forces torch's restart path; ``--standby`` starts the workers before
 each rendezvous (only for scripts that use ``ElasticWorld``, which read their rank from
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.run import run
 
-    from rendezvous.inplace.agent import InPlaceAgent
+    from regroup.rendezvous.inplace.agent import InPlaceAgent
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     # torch's launch_agent builds its agent from this module attribute; the rest is torch's.

@@ -2,7 +2,7 @@
 
 A worker learns its world from the environment torchrun set (plain torchrun, or the first
 world under ``regroup-run`` when the channel has none yet), or from its agent's
-``world.json`` (``rendezvous.inplace.channel``) for every world after that.
+``world.json`` (``regroup.rendezvous.inplace.channel``) for every world after that.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rendezvous.inplace.channel import NodeWorld
+from regroup.rendezvous.inplace.channel import NodeWorld
 
 
 class Interrupted(Exception):

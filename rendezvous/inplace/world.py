@@ -1,7 +1,7 @@
 """``ElasticWorld``: what a training script calls to survive re-forms in place.
 
 Under ``regroup-run`` the agent does not restart its workers when the job's membership
-changes. It announces the re-form in the node's channel (``rendezvous.inplace.channel``),
+changes. It announces the re-form in the node's channel (``regroup.rendezvous.inplace.channel``),
 joins the next round itself, and hands each worker its new rank. A worker that opted in
 leaves its process group at a step boundary, forms the new one, and carries on in the
 same process: no re-import, no new CUDA context, its model still in memory::
@@ -40,8 +40,8 @@ from pathlib import Path
 import structlog
 
 from regroup.failures import PEER, failure_kind
-from rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
-from rendezvous.inplace.channel import (
+from regroup.rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
+from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
     STANDBY_ENV,
     NodeWorld,
@@ -50,8 +50,8 @@ from rendezvous.inplace.channel import (
     report_name,
     write_atomically,
 )
-from rendezvous.inplace.formation import connect_store, init_default_group
-from rendezvous.inplace.membership import Interrupted, Membership, ReformFailed, Superseded
+from regroup.rendezvous.inplace.formation import connect_store, init_default_group
+from regroup.rendezvous.inplace.membership import Interrupted, Membership, ReformFailed, Superseded
 
 log = structlog.get_logger("regroup.inplace.world")
 

@@ -16,12 +16,12 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from controller.cluster import NodeInfo, PodDisruption, PodInfo, Taint
-from controller.decide import decide as decide_on
-from controller.model import ClusterModel
-from controller.settings import ControllerSettings
-from controller import snapshot as actions
-from controller.snapshot import Action, Decision, JobSnapshot, WritePlan
+from regroup.controller.cluster import NodeInfo, PodDisruption, PodInfo, Taint
+from regroup.controller.decide import decide as decide_on
+from regroup.controller.model import ClusterModel
+from regroup.controller.settings import ControllerSettings
+from regroup.controller import snapshot as actions
+from regroup.controller.snapshot import Action, Decision, JobSnapshot, WritePlan
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, MemberRecord, Progress, Record, RoundState
 
@@ -214,7 +214,7 @@ def of(actions: Iterable[Action], kind: type) -> list[Any]:
 
 
 def decide(s: Scene, now: float, settings: ControllerSettings) -> Decision:
-    """``controller.decide.decide`` on the scene's snapshot."""
+    """``regroup.controller.decide.decide`` on the scene's snapshot."""
     return decide_on(s.snapshot, now, settings)
 
 

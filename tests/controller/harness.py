@@ -22,12 +22,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from controller.kube.actuator import KubeActuator
-from controller.kube.api import RawKube
-from controller.kube.source import KubeSource
-from controller.metrics import ControllerMetrics
-from controller.runtime import run_controller
-from controller.settings import ControllerSettings, KubeSettings, RuntimeSettings
+from regroup.controller.kube.actuator import KubeActuator
+from regroup.controller.kube.api import RawKube
+from regroup.controller.kube.source import KubeSource
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.runtime import run_controller
+from regroup.controller.settings import ControllerSettings, KubeSettings, RuntimeSettings
 from regroup.etcd import EtcdSettings, EventKind
 from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, MemberRecord, Progress, Record
@@ -159,7 +159,7 @@ async def controller(
 ) -> AsyncIterator[tuple[ControllerMetrics, InMemorySpanExporter]]:
     """``run_controller`` with the real Kubernetes adapter, until the block ends. A block
     that ends cleanly also checks every API call the controller made against the RBAC."""
-    from controller.kube.api import load_api_client
+    from regroup.controller.kube.api import load_api_client
 
     first = len(api.requests)
     settings = settings or fast_settings()
@@ -199,8 +199,8 @@ async def replica(
     """One controller replica behind leader election (Lease ``regroup-controller`` in the
     controller's namespace), as ``regroup controller`` runs it; yields (elector, task,
     metrics). A block that ends cleanly checks the calls made meanwhile against the RBAC."""
-    from controller.kube.api import load_api_client
-    from controller.kube.leader import LeaderElector
+    from regroup.controller.kube.api import load_api_client
+    from regroup.controller.kube.leader import LeaderElector
 
     first = len(api.requests)
     metrics = ControllerMetrics()

@@ -7,10 +7,10 @@ from datetime import timedelta
 
 import pytest
 
-from controller.cluster import NodeInfo, Taint
-from controller.settings import ControllerSettings
-from controller.signals import RECLAIM_SIGNALS
-from controller.snapshot import (
+from regroup.controller.cluster import NodeInfo, Taint
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.signals import RECLAIM_SIGNALS
+from regroup.controller.snapshot import (
     AFTER_PREVIOUS_PLAN,
     Cordon,
     DeletePod,
@@ -286,7 +286,7 @@ def test_rendezvous_timeout_finishes_the_plan_and_starts_the_next_after_it() -> 
 
 
 def test_controller_presence_is_written_when_missing() -> None:
-    from controller.snapshot import WritePresence
+    from regroup.controller.snapshot import WritePresence
 
     s = job()
     assert of(decide(s, T0, S).actions, WritePresence)

@@ -8,12 +8,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controller.cluster import PodDisruption
-from controller.kube.convert import pod_info
-from controller.model import ClusterModel
-from controller.settings import ControllerSettings
-from controller.signals import POD_DISRUPTION
-from controller.snapshot import WriteCheckpointRequest, WriteExclusions, WritePlan, WriteReform
+from regroup.controller.cluster import PodDisruption
+from regroup.controller.kube.convert import pod_info
+from regroup.controller.model import ClusterModel
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.signals import POD_DISRUPTION
+from regroup.controller.snapshot import WriteCheckpointRequest, WriteExclusions, WritePlan, WriteReform
 from regroup.keys import JobKeys
 from regroup.records import (
     CheckpointRequest,

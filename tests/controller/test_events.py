@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import pytest
 import structlog
 
-from controller.cluster import ObjectRef
-from controller.events import EVENT_MEMORY, SPAM_BURST, SPAM_REFILL, EventRecorder
-from controller.metrics import ControllerMetrics
-from controller.model import ClusterModel
-from controller.reconciler import Reconciler
-from controller.settings import ControllerSettings
-from controller.snapshot import PostPodEvents
+from regroup.controller.cluster import ObjectRef
+from regroup.controller.events import EVENT_MEMORY, SPAM_BURST, SPAM_REFILL, EventRecorder
+from regroup.controller.metrics import ControllerMetrics
+from regroup.controller.model import ClusterModel
+from regroup.controller.reconciler import Reconciler
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import PostPodEvents
 
 from .builders import JOB, NS, T0, pod
 from .harness import sample

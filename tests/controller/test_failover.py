@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
-from controller.settings import ControllerSettings, ReformSettings
-from controller.status import job_status, render
+from regroup.controller.settings import ControllerSettings, ReformSettings
+from regroup.controller.status import job_status, render
 from regroup.keys import JobKeys
 from regroup.records import CheckpointRequest, Exclusions, Progress, ReformPlan, ReformRequest, RoundState
-from rendezvous.handler import EtcdV3RendezvousHandler
-from rendezvous.joining import ExcludedFromRound
-from rendezvous.settings import parse_settings
+from regroup.rendezvous.handler import EtcdV3RendezvousHandler
+from regroup.rendezvous.joining import ExcludedFromRound
+from regroup.rendezvous.settings import parse_settings
 from kubeapi import objects
 
 from .harness import NS, Cluster, fast_settings, notes, sample, until

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from controller.cluster import NodeInfo
-from controller.settings import ControllerSettings
-from controller.snapshot import AFTER_PREVIOUS_PLAN, PostPodEvents, WriteCheckpointRequest, WriteExclusions, WritePlan
+from regroup.controller.cluster import NodeInfo
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import AFTER_PREVIOUS_PLAN, PostPodEvents, WriteCheckpointRequest, WriteExclusions, WritePlan
 
 from .builders import T0, acked, decide, job, member, of, with_taint
 from .builders import step as reconcile

@@ -9,17 +9,17 @@ from datetime import timedelta
 
 import pytest
 
-from controller.cluster import NodeInfo, PodDisruption, Taint
-from controller.jobconfig import parse_duration, parse_pod_config, resolve_job_config
-from controller.model import ClusterModel
-from controller.settings import (
+from regroup.controller.cluster import NodeInfo, PodDisruption, Taint
+from regroup.controller.jobconfig import parse_duration, parse_pod_config, resolve_job_config
+from regroup.controller.model import ClusterModel
+from regroup.controller.settings import (
     ControllerSettings,
     CordonSettings,
     JobDefaults,
     KubeSettings,
     RuntimeSettings,
 )
-from controller.signals import (
+from regroup.controller.signals import (
     AKS_NOTICE,
     AWS_NOTICE,
     GKE_NOTICE,
@@ -28,7 +28,7 @@ from controller.signals import (
     node_verdict,
     signal_key,
 )
-from controller.workqueue import WorkQueue
+from regroup.controller.workqueue import WorkQueue
 from regroup.keys import JobKeys
 
 from .builders import JOB, NS, T0, annotations, member, pod
@@ -238,9 +238,9 @@ def test_the_rendezvous_round_record_is_the_authority_on_the_current_round() -> 
 
 
 async def test_the_plan_is_compare_and_set_on_its_revision(etcd_client) -> None:
-    from controller.etcd_mirror import OwnWrites
-    from controller.reconciler import PlanConflict
-    from controller.runtime import EtcdLeaseWriter
+    from regroup.controller.etcd_mirror import OwnWrites
+    from regroup.controller.reconciler import PlanConflict
+    from regroup.controller.runtime import EtcdLeaseWriter
 
     own = OwnWrites()
     writer = EtcdLeaseWriter(etcd_client, own)
@@ -263,7 +263,7 @@ def test_node_changes_no_decision_reads_wake_no_job() -> None:
 def test_a_snapshot_is_the_frozen_dataclass_its_fields_say() -> None:
     """The builder fills the snapshot's dict directly (cheaper than the frozen __init__):
     it names every field, and the object stays read-only."""
-    from controller.snapshot import JobSnapshot
+    from regroup.controller.snapshot import JobSnapshot
 
     m, _, _ = model()
     s = m.snapshot((NS, JOB))
@@ -279,10 +279,10 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
     pods, members by pod, pods by node) equals what it would compute from scratch."""
     import random
 
-    from controller.decide import decide
-    from controller.snapshot import WritePlan
-    from controller.signals import storm_mark
-    from controller.suspects import job_suspects
+    from regroup.controller.decide import decide
+    from regroup.controller.snapshot import WritePlan
+    from regroup.controller.signals import storm_mark
+    from regroup.controller.suspects import job_suspects
     from regroup.records import RoundState
 
     def grouped(resolved):

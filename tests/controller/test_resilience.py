@@ -10,7 +10,7 @@ import subprocess
 import aiohttp
 import pytest
 
-from controller.status import job_status
+from regroup.controller.status import job_status
 from regroup.keys import JobKeys
 from regroup.records import (
     CheckpointRequest,
@@ -152,7 +152,7 @@ async def test_status_shows_members_progress_and_the_last_reform(cluster, kube_a
 
 
 async def test_http_serves_metrics_and_probes(cluster, kube_api, kubeconfig, etcd_settings) -> None:
-    from demo.etcd_server import free_port
+    from regroup.demo.etcd_server import free_port
 
     port = free_port()
     settings = replace_settings(fast_settings(), http_port=port, http_host="127.0.0.1")
@@ -170,7 +170,7 @@ async def test_http_serves_metrics_and_probes(cluster, kube_api, kubeconfig, etc
 
 
 async def test_the_controller_process_runs_against_the_api_and_etcd(cluster, kube_api, kubeconfig, etcd_settings, worker_env, python, tmp_path) -> None:
-    from demo.etcd_server import free_port
+    from regroup.demo.etcd_server import free_port
 
     await cluster.job(JOB, ["n1", "n2", "n3"], notes(2, 4))
     port = free_port()

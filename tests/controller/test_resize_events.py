@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.reform_summary import resize_message
-from controller.settings import ControllerSettings
-from controller.snapshot import PostPodEvents
+from regroup.controller.reform_summary import resize_message
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import PostPodEvents
 from regroup.records import Progress, ReformPlan
 
 from .builders import JOB, T0, applied, decide, job, member

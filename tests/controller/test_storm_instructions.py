@@ -10,7 +10,7 @@ import pytest
 from bench.controller.direct import direct_harness
 from bench.controller.instructions import VIRTUAL_START, VirtualClock, replay_window, summary
 from bench.controller.storm import Layout
-from controller.cluster import NodeInfo
+from regroup.controller.cluster import NodeInfo
 
 # A tenth of the benchmark's cluster: 200 nodes, 20 jobs of 50, each node hosting 5 jobs.
 SMALL = Layout(nodes=200, jobs=20, per_job=50)

@@ -8,8 +8,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from controller.trace_ids import new_trace_id, span_id
-from controller.tracing import emit_reform_trace
+from regroup.controller.trace_ids import new_trace_id, span_id
+from regroup.controller.tracing import emit_reform_trace
 from regroup.records import ReformPlan
 
 from .builders import JOB, NS, T0

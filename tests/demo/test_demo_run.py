@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from demo.analysis import (
+from regroup.demo.analysis import (
     RunData,
     continuity_errors,
     event_impacts,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from demo.live import LiveSnapshot, LiveView, phase_of, render, render_line
-from demo.recorder import JobView
+from regroup.demo.live import LiveSnapshot, LiveView, phase_of, render, render_line
+from regroup.demo.recorder import JobView
 from regroup.records import JobStatus, Progress, ReformPlan
 
 SNAP = LiveSnapshot(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.cluster import JOB_LABEL, NodeInfo, ObjectRef, PodInfo
-from demo.local_cluster import LocalCluster
-from demo.processes import AgentCommand
+from regroup.controller.cluster import JOB_LABEL, NodeInfo, ObjectRef, PodInfo
+from regroup.demo.local_cluster import LocalCluster
+from regroup.demo.processes import AgentCommand
 from tests.changes import Changes
 
 # An "agent" that, like torchrun, starts its worker in a session of its own, then waits.

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from demo.recorder import JobRecorder
+from regroup.demo.recorder import JobRecorder
 from regroup.keys import JobKey, JobKeys
 from regroup.records import MemberRecord, Progress
 from tests.changes import Changes

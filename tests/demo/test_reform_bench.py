@@ -11,9 +11,9 @@ import pytest
 
 from bench.reform.play import fitting
 from bench.reform.report import METRICS, measure, metric_table, versus, world_change_table
-from demo.analysis import load_run
-from demo.resizes import first_progress_at, reform_latencies, reform_plans, scripted_resizes, world_changes
-from demo.scenario import load_scenario, resolve_scenario_path, with_overrides
+from regroup.demo.analysis import load_run
+from regroup.demo.resizes import first_progress_at, reform_latencies, reform_plans, scripted_resizes, world_changes
+from regroup.demo.scenario import load_scenario, resolve_scenario_path, with_overrides
 from tests.demo.recorded import T0, progress_rows, write_run
 
 JOIN_WINDOW = 5.0

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from demo.analysis import ProgressSample as P
-from demo.analysis import (
+from regroup.demo.analysis import ProgressSample as P
+from regroup.demo.analysis import (
     continuity_errors,
     event_impacts,
     goodput,
@@ -19,7 +19,7 @@ from demo.analysis import (
     useful_training_time,
     world_size_timeline,
 )
-from demo.report import build_report, summarize, summary_text
+from regroup.demo.report import build_report, summarize, summary_text
 from tests.demo.recorded import EVENTS, INCARNATIONS, REFORMS, progress_rows, write_run
 
 

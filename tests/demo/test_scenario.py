@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from demo.scenario import (
+from regroup.demo.scenario import (
     ScenarioError,
     load_scenario,
     parse_scenario,

@@ -92,7 +92,7 @@ def test_the_report_reads_what_the_controller_writes(tmp_path: Path) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from controller.tracing import emit_reform_trace
+    from regroup.controller.tracing import emit_reform_trace
     from regroup.records import ReformPlan
     from regroup.telemetry import JsonLinesSpanExporter
 

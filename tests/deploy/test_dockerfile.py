@@ -179,9 +179,9 @@ def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
     assert {"controller/main.py", "rendezvous/registration.py", "trainer/smoke.py", "regroup/cli.py"} <= names
     assert not any("__pycache__" in n for n in names)
-    assert re.search(r"\[torchrun.handlers\]\s+etcd-v3 = rendezvous.registration:handler_factory", entry_points)
+    assert re.search(r"\[torchrun.handlers\]\s+etcd-v3 = regroup.rendezvous.registration:handler_factory", entry_points)
     assert "regroup = regroup.cli:main" in entry_points
-    assert re.search(r"\[console_scripts\][^\[]*\nregroup-run = rendezvous.inplace.launcher:main", entry_points)
+    assert re.search(r"\[console_scripts\][^\[]*\nregroup-run = regroup.rendezvous.inplace.launcher:main", entry_points)
     # The controller image installs the wheel without extras: torch must only be an extra.
     requires = re.findall(r"^Requires-Dist: (.+)$", metadata, re.MULTILINE)
     assert requires and all("extra ==" in r for r in requires if r.startswith("torch"))

@@ -102,7 +102,7 @@ def test_metric_check_catches_a_misspelt_series() -> None:
 
 
 def test_controller_exports_exactly_the_fixed_metric_names() -> None:
-    from controller.metrics import ControllerMetrics
+    from regroup.controller.metrics import ControllerMetrics
 
     exported: set[str] = set()
     for family in ControllerMetrics().registry.collect():
@@ -116,7 +116,7 @@ def test_controller_exports_exactly_the_fixed_metric_names() -> None:
 
 
 def test_controller_metrics_carry_the_fixed_labels() -> None:
-    from controller.metrics import ControllerMetrics
+    from regroup.controller.metrics import ControllerMetrics
     from prometheus_client import Counter, Gauge, Histogram
 
     metrics = [m for m in vars(ControllerMetrics()).values() if isinstance(m, Counter | Gauge | Histogram)]

@@ -330,7 +330,7 @@ ENTRYPOINT = "/opt/regroup/bin/regroup-entrypoint"
 # Examples that launch with plain torchrun on purpose, and why. Every other worker runs
 # `regroup-run --standby`, so a slip back to torchrun fails the tests below.
 TORCHRUN_EXAMPLES = {
-    "deploy/examples/smoke-job.yaml": "trainer.smoke is a one-shot check without ElasticWorld: nothing to re-form",
+    "deploy/examples/smoke-job.yaml": "regroup.trainer.smoke is a one-shot check without ElasticWorld: nothing to re-form",
 }
 
 
@@ -406,7 +406,7 @@ def test_trainer_launching_examples_are_found() -> None:
 
 @pytest.mark.parametrize(("where", "container"), TRAINER_CONTAINERS, ids=[w for w, _ in TRAINER_CONTAINERS])
 def test_every_trainer_launching_example_uses_regroup_run_with_standby(where: str, container: dict[str, Any]) -> None:
-    from rendezvous.inplace.launcher import build_parser
+    from regroup.rendezvous.inplace.launcher import build_parser
 
     if _file(where) in TORCHRUN_EXAMPLES:
         assert container["command"] == [ENTRYPOINT, "torchrun"]
@@ -449,7 +449,7 @@ def test_checkpoint_claim_is_read_write_many() -> None:
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
-# Training jobs (the smoke job runs trainer.smoke, which takes no config).
+# Training jobs (the smoke job runs regroup.trainer.smoke, which takes no config).
 TRAINERS = [(w, t) for w, t in WORKERS if "trainer" in t["spec"]["containers"][0]["args"]]
 
 
@@ -457,7 +457,7 @@ TRAINERS = [(w, t) for w, t in WORKERS if "trainer" in t["spec"]["containers"][0
 def test_training_example_checkpoints_to_a_shared_volume_and_its_config_fits_every_world_size(
     where: str, template: dict[str, Any]
 ) -> None:
-    from trainer.config_loading import load_config
+    from regroup.trainer.config_loading import load_config
 
     spec = template["spec"]
     (trainer,) = spec["containers"]
@@ -505,7 +505,7 @@ def test_gang_admission_variants() -> None:
     (smoke,) = [d for d in load_documents(DEPLOY / "examples/smoke-job.yaml") if d["kind"] == "Job"]
     assert smoke["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == local_queue["metadata"]["name"]
     args = smoke["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[-2:] == ["-m", "trainer.smoke"]
+    assert args[-2:] == ["-m", "regroup.trainer.smoke"]
     assert smoke["spec"]["parallelism"] == smoke["spec"]["completions"] == int(_flag(args, "nnodes"))
     # A failed check must fail the Job, not retry until it passes.
     assert smoke["spec"]["backoffLimit"] == 0 and _flag(args, "max-restarts") == "0"

@@ -12,7 +12,7 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.dynamic import DynamicClient
 
-from demo.etcd_server import make_tls_files
+from regroup.demo.etcd_server import make_tls_files
 from kubeapi import objects
 from kubeapi.server import FakeKubeAPI
 

@@ -21,7 +21,7 @@ from regroup.etcd import (
     open_watch,
     parse_endpoints,
 )
-from demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer, free_port
 from regroup.keys import JobKeys
 from regroup.records import (
     TRACED_PHASES,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 from tests.rendezvous.agents import TorchrunNodes
 
 

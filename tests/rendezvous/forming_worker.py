@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rendezvous.inplace.world import ElasticWorld
+from regroup.rendezvous.inplace.world import ElasticWorld
 
 
 def _prove(world: ElasticWorld) -> None:

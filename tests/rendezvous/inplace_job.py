@@ -80,12 +80,12 @@ class InPlaceJob:
 
     def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str = "2:3") -> None:
         argv = [
-            sys.executable, "-m", "rendezvous.inplace.launcher", f"--in-place={in_place}",
+            sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
             *(["--standby"] if standby else []),
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
             f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
             "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
-            "-m", "trainer", "--config", str(self.config),
+            "-m", "regroup.trainer", "--config", str(self.config),
         ]  # fmt: skip
         env = {**self.env, "NODE_NAME": node}
         with open(self.root / f"{node}.log", "ab") as log:

@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 
 from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
-from rendezvous.decisions import Bounds, JobView, Me, count_waiting, plan_close, plan_join, round_abandoned
-from rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
-from rendezvous.settings import SettingsError, parse_settings
+from regroup.rendezvous.decisions import Bounds, JobView, Me, count_waiting, plan_close, plan_join, round_abandoned
+from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
+from regroup.rendezvous.settings import SettingsError, parse_settings
 
 BOUNDS = Bounds(min_nodes=2, max_nodes=4, last_call_s=1.0)
 

@@ -22,12 +22,12 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from regroup.etcd import EtcdSettings, connect, enable_auth
-from demo.etcd_server import EtcdServer, free_port, make_tls_files
+from regroup.demo.etcd_server import EtcdServer, free_port, make_tls_files
 from regroup.keys import JobKeys
 from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
-from rendezvous.handler import EtcdV3RendezvousHandler
-from rendezvous.joining import ExcludedFromRound
-from rendezvous.settings import parse_settings
+from regroup.rendezvous.handler import EtcdV3RendezvousHandler
+from regroup.rendezvous.joining import ExcludedFromRound
+from regroup.rendezvous.settings import parse_settings
 from tests.rendezvous.agents import wait_until
 
 KEYS = JobKeys("default", "job")

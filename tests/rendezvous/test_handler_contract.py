@@ -8,8 +8,8 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
-from demo.etcd_server import EtcdServer
-from rendezvous.agent import DuplicateNode
+from regroup.demo.etcd_server import EtcdServer
+from regroup.rendezvous.agent import DuplicateNode
 from tests.rendezvous.agents import wait_until
 from tests.rendezvous.test_handler import Agents, agents  # noqa: F401 - the fixture
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
 from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
-from trainer.checkpoint_folders import latest_committed
+from regroup.trainer.checkpoint_folders import latest_committed
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench._stats import percentile
 from bench.rendezvous.join_window import measure_window, window_table
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 
 
 def test_percentiles_are_nearest_rank() -> None:

@@ -6,7 +6,7 @@ import random
 import socket
 from pathlib import Path
 
-from rendezvous.ports import LOWEST, ephemeral_range, master_port
+from regroup.rendezvous.ports import LOWEST, ephemeral_range, master_port
 
 
 def test_the_master_port_is_below_the_ephemeral_range_and_free(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from regroup.etcd import EtcdSettings, connect
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 from regroup.keys import JobKeys
 from regroup.records import ExpectedMembership, MemberRecord, ReformRequest
 from tests.rendezvous.agents import TorchrunNodes, wait_until

@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from demo.etcd_server import free_port
-from rendezvous.inplace.channel import (
+from regroup.demo.etcd_server import free_port
+from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
     STANDBY_ENV,
     WORLD_FILE,

@@ -15,11 +15,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
 from tests.trainer.harness import TINY_MODEL
-from trainer.app_state import AppState, TrainerState
-from trainer.checkpoint import Checkpointer
-from trainer.config_loading import config_from_dict
-from trainer.distributed import build_sharded_model, init_runtime
-from trainer.stopping import hard_exit
+from regroup.trainer.app_state import AppState, TrainerState
+from regroup.trainer.checkpoint import Checkpointer
+from regroup.trainer.config_loading import config_from_dict
+from regroup.trainer.distributed import build_sharded_model, init_runtime
+from regroup.trainer.stopping import hard_exit
 
 NEW_LR = 0.0123
 NEW_EXP_AVG = 7.0

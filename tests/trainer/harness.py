@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from trainer.checkpoint_folders import step_dir
+from regroup.trainer.checkpoint_folders import step_dir
 
 # ~0.9M parameters: big enough for FSDP to shard every block, small enough for CI.
 TINY_MODEL = {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "seq_len": 32}

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from trainer.config import ModelConfig
-from trainer.model import Decoder
-from trainer.reshard import HeldState, forget_old_meshes, hold_state, redistribute
+from regroup.trainer.config import ModelConfig
+from regroup.trainer.model import Decoder
+from regroup.trainer.reshard import HeldState, forget_old_meshes, hold_state, redistribute
 
 # No width divides by 3 and most not by 2 either: chunks of 2 and 3 ranks are uneven.
 CONFIG = ModelConfig(vocab_size=131, dim=28, n_layers=2, n_heads=2, ffn_hidden=37, seq_len=8)

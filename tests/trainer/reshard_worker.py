@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from trainer.config_loading import load_config
-from trainer.distributed import init_runtime
-from trainer.loop import RunInfo, TrainingRun
-from trainer.stopping import StopSignal, hard_exit
+from regroup.trainer.config_loading import load_config
+from regroup.trainer.distributed import init_runtime
+from regroup.trainer.loop import RunInfo, TrainingRun
+from regroup.trainer.stopping import StopSignal, hard_exit
 
 
 def main(config: str, out: str) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from tests.trainer.checkpoint_worker import NEW_EXP_AVG, NEW_LR
 from tests.trainer.harness import check, events, flat_tensors, full_state, torchrun, write_config
-from trainer.checkpoint_folders import COMMIT_MARKER, latest_committed, list_steps, prune, step_dir, write_commit_marker
+from regroup.trainer.checkpoint_folders import COMMIT_MARKER, latest_committed, list_steps, prune, step_dir, write_commit_marker
 
 pytestmark = pytest.mark.slow
 

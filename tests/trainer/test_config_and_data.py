@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from regroup.records import CheckpointRequest
-from trainer.batching import BatchSplitError, plan_batches
-from trainer.config import ConfigError
-from trainer.config_loading import config_from_dict, load_config
-from trainer.control import pending_generation
-from trainer.data import SyntheticTokens, TokenFile
-from trainer.schedule import lr_at
+from regroup.trainer.batching import BatchSplitError, plan_batches
+from regroup.trainer.config import ConfigError
+from regroup.trainer.config_loading import config_from_dict, load_config
+from regroup.trainer.control import pending_generation
+from regroup.trainer.data import SyntheticTokens, TokenFile
+from regroup.trainer.schedule import lr_at
 
 
 def test_config_file_overrides_and_env_fill_the_tree(tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ from regroup.keys import JobKeys
 from regroup.records import CheckpointAck, CheckpointRequest, Progress, Record, ReformRequest
 from regroup.telemetry import read_spans
 from tests.trainer.harness import full_state, torchrun_argv, write_config
-from trainer.checkpoint_folders import COMMIT_MARKER, list_steps, step_dir
-from trainer.config import EtcdConfig
-from trainer.control import JobChannel
+from regroup.trainer.checkpoint_folders import COMMIT_MARKER, list_steps, step_dir
+from regroup.trainer.config import EtcdConfig
+from regroup.trainer.control import JobChannel
 from tests.etcd_helpers import put_retrying
 
 pytestmark = pytest.mark.slow

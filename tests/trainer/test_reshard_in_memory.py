@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.reshard import Choice, can_redistribute, choose
+from regroup.trainer.reshard import Choice, can_redistribute, choose
 
 REPO = Path(__file__).resolve().parents[2]
 

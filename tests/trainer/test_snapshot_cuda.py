@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.config_loading import config_from_dict
-from trainer.distributed import build_sharded_model, init_runtime
-from trainer.snapshot import Snapshots
+from regroup.trainer.config_loading import config_from_dict
+from regroup.trainer.distributed import build_sharded_model, init_runtime
+from regroup.trainer.snapshot import Snapshots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 from tests.conftest import REPO
 from tests.rendezvous.inplace_job import InPlaceJob
 from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ConfigError
-from trainer.config_loading import config_from_dict
-from trainer.reshard import HeldState
-from trainer.snapshot_cost import CostMeter, SnapshotMemoryError, check_host_memory, host_memory_available, interval_for
-from trainer.snapshot_layout import Layout, buddies, layout_for
+from regroup.trainer.config import ConfigError
+from regroup.trainer.config_loading import config_from_dict
+from regroup.trainer.reshard import HeldState
+from regroup.trainer.snapshot_cost import CostMeter, SnapshotMemoryError, check_host_memory, host_memory_available, interval_for
+from regroup.trainer.snapshot_layout import Layout, buddies, layout_for
 
 
 def _is_rotation(buddy: list[int]) -> bool:

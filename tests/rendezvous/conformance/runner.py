@@ -32,7 +32,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer, free_port
 from tests.rendezvous.agents import wait_until
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.etcd_server import EtcdServer
+from regroup.demo.etcd_server import EtcdServer
 from tests.rendezvous.conformance.runner import C10d, EtcdV3, child_env, launcher_for, run_all, table
 from tests.rendezvous.conformance.scenarios import C10D_KNOWN_FAILURES, NOT_APPLICABLE, SCENARIOS
 

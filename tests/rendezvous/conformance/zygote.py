@@ -43,8 +43,8 @@ import torch.distributed.elastic.utils.store
 import torch.distributed.launcher.api
 import torch.distributed.run
 
-import rendezvous.handler  # noqa: F401  (the etcd-v3 backend and what it imports)
-import rendezvous.registration  # noqa: F401
+import regroup.rendezvous.handler  # noqa: F401  (the etcd-v3 backend and what it imports)
+import regroup.rendezvous.registration  # noqa: F401
 import tests.rendezvous.conformance.scenarios  # noqa: F401  (for the scenarios run apart)
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
