@@ -48,7 +48,7 @@ def measure(state_mb: float, repeats: int, root: Path) -> dict[str, Any]:
 
     cfg = config_from_dict({"model": _model_for(state_mb), "checkpoint": {"dir": str(root), "keep_last": 1}})
     runtime = _runtime(init_runtime)
-    model = build_sharded_model(cfg.model, 0, runtime)
+    model = build_sharded_model(cfg.model, 0, runtime.mesh, runtime.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     optimizer.step()  # materialise the moments

@@ -52,7 +52,7 @@ def worker(state_mb: float, steps: int, rounds: int, out: Path) -> None:
 
     cfg = config_from_dict({"model": _model_for(state_mb)})
     rt = init_runtime(dict(os.environ), "auto", timeout=timedelta(minutes=10))
-    model = build_sharded_model(cfg.model, 0, rt)
+    model = build_sharded_model(cfg.model, 0, rt.mesh, rt.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # A CPU step on one batch of 4 x 64 tokens, as ``bench checkpoint`` times it; a GPU step
     # on 64 x 64 tokens, so the step is not over before the GPU has warmed up.

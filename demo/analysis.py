@@ -3,12 +3,21 @@
 Pure functions over the files a run leaves (``progress.jsonl``, ``members.jsonl``,
 ``events.jsonl``, ``spans.jsonl``, ``run.json``), so the report, the test and the
 benchmark read the same facts from the same records.
+
+Everything comes from what any training script publishes through etcd (the ``progress``
+record) and from the controller's spans and events, never from a trainer's log text or
+config: a user's script (``regroup demo --script``) is measured like the built-in trainer.
+Where a script leaves a field out, the analysis falls back or says so (``RunData.reported``):
+a script that does not report ``resumed_from_step`` gets its resume points inferred from
+its steps (``infer_resume_points``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +44,9 @@ class ProgressSample:
     """``in-place`` or ``restart``: how this world came to be ("" unknown or first start)."""
     resume_phases: dict[str, float] = field(default_factory=dict, hash=False)
     """Seconds rank 0 spent resuming this world, by phase (empty: not reported)."""
+    resume_inferred: bool = False
+    """``resumed_from_step`` was not reported (a user's script) but inferred from the steps:
+    a new world (round or size) then also starts a new incarnation."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,26 @@ class RunData:
         return str(self.meta.get("mode", "regroup"))
 
     @property
+    def script(self) -> list[str] | None:
+        """The user's training command the ranks ran (None: the built-in trainer)."""
+        script = self.meta.get("script")
+        return [str(a) for a in script] if script else None
+
+    @property
+    def reported(self) -> dict[str, bool]:
+        """Which optional progress fields the trainer reported (a user's script may leave
+        them out): ``loss``, ``resumed_from_step``, ``reform_mode``, ``resume_phases``. A
+        field that only a resume would carry counts as reported while training never resumed."""
+        progress = self.progress
+        resumed = len(incarnations(progress)) > 1
+        return {
+            "loss": any(math.isfinite(p.loss) and p.loss > 0 for p in progress),
+            "resumed_from_step": not any(p.resume_inferred for p in progress),
+            "reform_mode": any(p.reform_mode for p in progress) or not resumed,
+            "resume_phases": any(p.resume_phases for p in progress) or not resumed,
+        }
+
+    @property
     def started_at(self) -> float:
         return float(self.meta["started_at"])
 
@@ -156,6 +188,8 @@ def load_run(root: Path) -> RunData:
     progress.sort(key=lambda p: p.time)
     # Rank 0 publishes again when it holds or stops at a step; a repeat adds no training.
     progress = [p for i, p in enumerate(progress) if i == 0 or _repeat_key(p) != _repeat_key(progress[i - 1])]
+    if meta.get("script") and not any(p.resumed_from_step for p in progress):
+        progress = infer_resume_points(progress)
     events = [
         ScriptedEvent(
             time=float(e["time"]),
@@ -171,9 +205,12 @@ def load_run(root: Path) -> RunData:
     return RunData(root, meta, progress, _jsonl(root / "members.jsonl"), events, spans, _jsonl(root / "plans.jsonl"))
 
 
-def incarnations(progress: list[ProgressSample]) -> list[Incarnation]:
-    """Split progress into incarnations: a new one starts when the trainer resumed from a
-    different checkpoint or its step went backwards."""
+def _other_world(sample: ProgressSample, before: ProgressSample) -> bool:
+    rounds = sample.round != before.round and sample.round > 0 and before.round > 0
+    return sample.world_size != before.world_size or rounds
+
+
+def _groups(progress: list[ProgressSample]) -> list[list[ProgressSample]]:
     result: list[list[ProgressSample]] = []
     for sample in progress:
         current = result[-1] if result else None
@@ -181,11 +218,40 @@ def incarnations(progress: list[ProgressSample]) -> list[Incarnation]:
             current is None
             or sample.resumed_from_step != current[-1].resumed_from_step
             or sample.step < current[-1].step
+            or (sample.resume_inferred and _other_world(sample, current[-1]))
         ):
             result.append([sample])
         else:
             result[-1].append(sample)
-    return [Incarnation(group[0].resumed_from_step, tuple(group)) for group in result]
+    return result
+
+
+def incarnations(progress: list[ProgressSample]) -> list[Incarnation]:
+    """Split progress into incarnations: a new one starts when the trainer resumed from a
+    different checkpoint or its step went backwards (or, where the resume points were
+    inferred, when a new world trained)."""
+    return [Incarnation(group[0].resumed_from_step, tuple(group)) for group in _groups(progress)]
+
+
+def infer_resume_points(progress: list[ProgressSample]) -> list[ProgressSample]:
+    """``progress`` from a script that reports no ``resumed_from_step``, with one inferred
+    for each incarnation: a new one starts where the step went backwards or a new world
+    (round or size) trained, and resumed from the step before its first progress, or from
+    the last step the run had recorded when that is older (a resume from memory is never
+    counted as a skip). Lost steps are then the steps trained again; when the script
+    publishes progress less often than every step, up to one publishing interval of them
+    may be missed.
+
+    Where every inferred point is 0 (training never resumed, or only ever started over from
+    scratch) a reported 0 says the same: ``progress`` is returned as it is."""
+    marked = [dataclasses.replace(p, resumed_from_step=0, resume_inferred=True) for p in progress]
+    out: list[ProgressSample] = []
+    previous: list[ProgressSample] | None = None
+    for group in _groups(marked):
+        resumed_from = 0 if previous is None else max(0, min(group[0].step - 1, previous[-1].step))
+        out += [dataclasses.replace(p, resumed_from_step=resumed_from) for p in group]
+        previous = group
+    return out if any(p.resumed_from_step for p in out) else progress
 
 
 def interruptions(progress: list[ProgressSample]) -> list[Interruption]:

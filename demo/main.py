@@ -4,6 +4,8 @@
     regroup demo --baseline torchrun-c10d         # the same churn on plain torchrun
     regroup demo --compare                        # both, one report side by side
     regroup demo --scenario short --duration 90s  # a bundled scenario, overridden
+    regroup demo --script train.py [-- ARGS...]   # your own training script instead of the built-in trainer
+    regroup demo -- python train.py --lr 3e-4     # the same, as a command after --
     regroup demo --report out/RUN [out/RUN2]      # rebuild a report from recorded runs
 """
 
@@ -66,6 +68,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--report", type=Path, nargs="+", metavar="RUN_DIR", help="only rebuild the report of recorded run folders"
     )
     parser.add_argument("--no-live", action="store_true", help="print a line a second instead of the live view")
+    parser.add_argument(
+        "--script",
+        metavar="PATH",
+        help="run this training script on every rank instead of the built-in trainer; its arguments go after --",
+    )
+    parser.add_argument(
+        "command",
+        nargs="*",
+        metavar="-- COMMAND",
+        help="the script's arguments with --script; without it, the whole training command (python train.py ...)",
+    )
+
+
+def _script(args: argparse.Namespace) -> list[str] | None:
+    """The user's training command (torchrun's part of it), None for the built-in trainer.
+    Raises ``ScriptError`` saying what is wrong."""
+    from regroup.demo.nodes import ScriptError, worker_command
+
+    script, rest = getattr(args, "script", None), list(getattr(args, "command", None) or [])
+    if script is None and not rest:
+        return None
+    if args.report:
+        raise ScriptError("--report only rebuilds the report of recorded runs; it runs no script")
+    return worker_command(script, rest)
 
 
 def _render(run_dirs: list[Path], report_path: Path) -> int:
@@ -79,6 +105,13 @@ def _render(run_dirs: list[Path], report_path: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from regroup.demo.nodes import ScriptError
+
+    try:
+        script = _script(args)
+    except ScriptError as exc:
+        print(f"regroup demo: {exc}", file=sys.stderr)
+        return 2
     if args.report:
         try:
             return _render(list(args.report), args.report[0] / "report.html")
@@ -113,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with exit_codes("regroup demo", layouts[0].logs):
             for mode, layout in zip(modes, layouts):
-                print(f"regroup demo: playing {scenario.name!r} on {mode} ({scenario.duration.total_seconds():.0f}s) in {layout.root}")
-                asyncio.run(cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live)))
+                what = f" with {' '.join(script)}" if script else ""
+                print(f"regroup demo: playing {scenario.name!r} on {mode}{what} ({scenario.duration.total_seconds():.0f}s) in {layout.root}")
+                asyncio.run(cancelled_by_sigterm(run_scenario(scenario, mode, layout, live=live, script=script)))
     finally:
         if provider is not None:
             provider.shutdown()

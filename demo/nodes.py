@@ -1,6 +1,11 @@
 """What runs on each local node: the torchrun command, its environment, the trainer config.
 
-Three modes play the same scenario with the same trainer and checkpoint cadence:
+Each rank runs the built-in trainer (``-m regroup.trainer --config trainer.yaml``) or the
+user's own script (``regroup demo --script train.py``; see ``worker_command``). Either way
+every worker finds the run's etcd, checkpoint folder and sample-log folder in its
+environment (``worker_env``).
+
+Three modes play the same scenario with the same worker command and checkpoint cadence:
 
 - ``regroup``: ``regroup-run --standby`` (torchrun whose workers survive re-forms in
   place) with the ``etcd-v3`` rendezvous, driven by the controller;
@@ -16,7 +21,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +54,15 @@ DEFAULT_TRAINER: dict[str, Any] = {
     "log_every": 10,
     "device": "cpu",
 }
+
+ETCD_ENDPOINT_ENV = "REGROUP_ETCD_ENDPOINT"
+"""The job's etcd (``host:port[,host:port]``); the job name comes from torchrun's
+``TORCHELASTIC_RUN_ID``, the namespace from ``POD_NAMESPACE``."""
+CHECKPOINT_DIR_ENV = "REGROUP_CHECKPOINT_DIR"
+"""The run's checkpoint folder (``step-N/`` folders with their ``COMMITTED`` marker)."""
+SAMPLE_LOG_ENV = "REGROUP_SAMPLE_LOG"
+"""Folder for per-rank sample logs ``samples-w{W}-r{R}.jsonl`` (the built-in trainer's
+``data.sample_log`` format: one JSON line per step, ``{"step", "ids", "restart", "round", "t"}``)."""
 
 
 def append_jsonl(path: Path, body: dict[str, Any]) -> None:
@@ -84,6 +100,11 @@ class RunLayout:
     @property
     def members(self) -> Path:
         return self.root / "members.jsonl"
+
+    @property
+    def samples(self) -> Path:
+        """Per-rank sample logs (``REGROUP_SAMPLE_LOG``, the built-in trainer's ``data.sample_log``)."""
+        return self.root / "samples"
 
     @property
     def events(self) -> Path:
@@ -137,9 +158,79 @@ def base_env(layout: RunLayout) -> dict[str, str]:
     return env
 
 
+def worker_env(layout: RunLayout, etcd_endpoint: str | None) -> dict[str, str]:
+    """What every worker (the built-in trainer or a user's script) finds in its environment,
+    besides torchrun's own variables and ``REGROUP_SPANS_FILE`` (``base_env``)."""
+    env = {CHECKPOINT_DIR_ENV: str(layout.checkpoints), SAMPLE_LOG_ENV: str(layout.samples)}
+    if etcd_endpoint:
+        env[ETCD_ENDPOINT_ENV] = etcd_endpoint
+    return env
+
+
+class ScriptError(ValueError):
+    """A training command the demo cannot run; the message says what to give instead."""
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?(\.exe)?")
+_LAUNCHERS = ("torchrun", "regroup-run", "regroup-train")
+
+
+def worker_command(script: str | None, args: Sequence[str], cwd: Path | None = None) -> list[str]:
+    """The training part of torchrun's command line for a user's script (what follows
+    torchrun's own flags): ``--script PATH [args]``, or a command given after ``--``.
+
+    ``python train.py ...`` and ``python -m pkg.train ...`` run under the demo's own Python
+    (``sys.executable``, as torchrun does); ``train.py ...`` likewise; any other program is
+    run as it is (torchrun's ``--no-python``). Raises ``ScriptError`` naming the problem.
+    """
+    cwd = Path.cwd() if cwd is None else cwd
+    tokens = list(args)
+    if script is not None:
+        return [_existing_script(script, cwd), *tokens]
+    if not tokens:
+        raise ScriptError("no training command: give --script PATH, or the command after --")
+    name = Path(tokens[0]).name
+    if name in _LAUNCHERS:
+        raise ScriptError(f"{tokens[0]}: the demo starts the agents itself; give only the training command (python train.py ...)")
+    python = _PYTHON.fullmatch(name) is not None
+    if python:
+        tokens = tokens[1:]
+        if not tokens:
+            raise ScriptError(f"{name}: no script to run (python train.py ..., or python -m module ...)")
+        if tokens[0].startswith("-") and tokens[0] != "-m":
+            raise ScriptError(
+                f"python option {tokens[0]} is not supported: the demo runs the script with its own Python "
+                f"({sys.executable}); give a script path or -m module"
+            )
+    if tokens[0] == "-m":
+        if len(tokens) < 2:
+            raise ScriptError("-m: no module named")
+        return tokens
+    if python or tokens[0].endswith(".py"):
+        return [_existing_script(tokens[0], cwd), *tokens[1:]]
+    # Not Python: torchrun runs it as it is (a wrapper script or a binary).
+    program = cwd / tokens[0]
+    return ["--no-python", str(program.resolve()) if program.is_file() else tokens[0], *tokens[1:]]
+
+
+def _existing_script(path: str, cwd: Path) -> str:
+    script = cwd / path
+    if not script.is_file():
+        raise ScriptError(f"{path}: no such script")
+    return str(script.resolve())
+
+
 def torchrun_argv(
-    scenario: Scenario, mode: Mode, rdzv_endpoint: str, config: Path, monitor_interval: float = 0.1
+    scenario: Scenario,
+    mode: Mode,
+    rdzv_endpoint: str,
+    config: Path | None,
+    monitor_interval: float = 0.1,
+    *,
+    worker: Sequence[str] | None = None,
 ) -> list[str]:
+    """The agent's command line. Each rank runs ``worker`` (a user's script, see
+    ``worker_command``) or, without one, the built-in trainer with ``config``."""
     job = scenario.job
     launcher = ["-m", "regroup.rendezvous.inplace.launcher", "--standby"] if mode == "regroup" else ["-m", "torch.distributed.run"]
     argv = [
@@ -156,13 +247,30 @@ def torchrun_argv(
     else:
         # Every agent is a client of the standalone store.
         argv += ["--rdzv-backend=c10d", "--rdzv-conf=is_host=false"]
+    if worker:
+        return argv + list(worker)
+    if config is None:
+        raise ValueError("torchrun_argv: give the built-in trainer's config or a worker command")
     return argv + ["-m", "regroup.trainer", "--config", str(config)]
 
 
-def make_launcher(scenario: Scenario, mode: Mode, layout: RunLayout, rdzv_endpoint: str, config: Path) -> AgentLauncher:
-    """The ``AgentLauncher`` the local cluster starts each node's agent with."""
-    argv = torchrun_argv(scenario, mode, rdzv_endpoint, config)
-    env = base_env(layout)
+def make_launcher(
+    scenario: Scenario,
+    mode: Mode,
+    layout: RunLayout,
+    rdzv_endpoint: str,
+    config: Path | None,
+    *,
+    worker: Sequence[str] | None = None,
+    etcd_endpoint: str | None = None,
+) -> AgentLauncher:
+    """The ``AgentLauncher`` the local cluster starts each node's agent with.
+
+    ``etcd_endpoint``: the run's etcd, for the workers' ``REGROUP_ETCD_ENDPOINT`` (default:
+    ``rdzv_endpoint`` in the modes whose rendezvous is on etcd)."""
+    argv = torchrun_argv(scenario, mode, rdzv_endpoint, config, worker=worker)
+    etcd = etcd_endpoint or (rdzv_endpoint if mode in CONTROLLED else None)
+    env = {**base_env(layout), **worker_env(layout, etcd)}
 
     def launch(node: str, pod: str, attempt: int) -> AgentCommand:
         node_env = {

@@ -2,7 +2,8 @@
 one-screen summary printed at the end of ``regroup demo``.
 
 Given one run it shows that run; given a regroup run and a torchrun-c10d run of the same
-scenario it shows them side by side.
+scenario it shows them side by side. A run of a user's script shows the same, from the
+progress records the script published; what the script did not report is named as such.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +73,25 @@ def summarize(run: RunData) -> RunSummary:
     )
 
 
+NOT_REPORTED = {
+    "loss": "loss",
+    "resumed_from_step": "resume points (resumed_from_step)",
+    "reform_mode": "re-form mode (reform_mode)",
+    "resume_phases": "resume split (resume_phases)",
+}
+
+
+def not_reported(run: RunData) -> list[str]:
+    """The progress fields a user's script did not report (always [] for the built-in trainer)."""
+    if run.script is None:
+        return []
+    return [NOT_REPORTED[name] for name, seen in run.reported.items() if not seen]
+
+
+def _trainer_text(run: RunData) -> str:
+    return "the built-in FSDP2 trainer" if run.script is None else shlex.join(run.script)
+
+
 def _png(fig: plt.Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
@@ -105,14 +127,21 @@ def world_size_chart(runs: list[RunData]) -> str:
     return _png(fig)
 
 
-def loss_chart(runs: list[RunData]) -> str:
+def loss_chart(runs: list[RunData]) -> str | None:
+    """None when no run reported a loss (a script that publishes none)."""
+    runs = [r for r in runs if r.reported["loss"]]
+    if not runs:
+        return None
     fig, ax = plt.subplots(figsize=(10, 3.4))
     for run in runs:
         colour = RUN_COLOURS.get(run.mode, "k")
         labelled = False
         for i, part in enumerate(incarnations(run.progress)):
             # The record written at (re)start carries the checkpoint step and no loss yet.
-            measured = [s for s in part.samples if s.step > part.resumed_from_step or s.step == 0 and s.loss > 0]
+            measured = [
+                s for s in part.samples
+                if math.isfinite(s.loss) and (s.step > part.resumed_from_step or s.step == 0 and s.loss > 0)
+            ]  # fmt: skip
             if not measured:
                 continue
             ax.plot(
@@ -262,14 +291,20 @@ def build_report(runs: list[RunData], path: Path) -> Path:
         f"<h1>regroup demo: {html.escape(str(first.meta.get('scenario', '')))}</h1>",
         (
             f"<p>{len(first.meta.get('nodes', []))} local nodes, job min {first.meta.get('min_nodes')} / max "
-            f"{first.meta.get('max_nodes')} nodes, {first.meta.get('nproc_per_node')} rank(s) per node, CPU (gloo).</p>"
+            f"{first.meta.get('max_nodes')} nodes, {first.meta.get('nproc_per_node')} rank(s) per node, CPU (gloo). "
+            f"Each rank ran <code>{html.escape(_trainer_text(first))}</code>.</p>"
         ),
+        _not_reported_note(runs),
         "<h2>Summary</h2>",
         _summary_rows(summaries),
         "<h2>World size over time, with the scripted events</h2>",
         _img(world_size_chart(runs), "world size"),
         "<h2>Loss vs step, across re-forms</h2>",
-        _img(loss_chart(runs), "loss"),
+        (
+            "<p><em>Loss: not reported by this script.</em></p>"
+            if any(r.script for r in runs) and not any(r.reported["loss"] for r in runs)
+            else _img(loss_chart(runs), "loss")
+        ),
     ]
     for run in runs:
         if run.spans:
@@ -280,6 +315,11 @@ def build_report(runs: list[RunData], path: Path) -> Path:
                 "started again (<code>restart</code>); the columns after <code>resume_s</code> split the "
                 "resume as the trainer's rank 0 measured it.</p>",
                 _img(reform_latency_chart(run), "re-form latency"),
+                *(
+                    [f"<p><em>{html.escape(', '.join(missing))}: not reported by this script (shown as ? or -).</em></p>"]
+                    if (missing := [m for m in not_reported(run) if m.startswith(("re-form", "resume split"))])
+                    else []
+                ),
                 f"<pre>{html.escape(format_table(run_reforms(run), origin=run.started_at, resume_split=True))}</pre>",
             ]
     parts += [
@@ -290,6 +330,13 @@ def build_report(runs: list[RunData], path: Path) -> Path:
         _img(per_event_chart(runs, "downtime"), "downtime per event"),
         "<h2>Lost steps per scripted event</h2>",
         "<p>Steps trained but rolled back: the step reached minus the checkpoint step resumed from.</p>",
+        *(
+            ["<p><em>Resume points: not reported by this script; inferred from its steps (the step before the "
+             "first progress of each new world). Steps trained after its last progress record before a stop are "
+             "not seen.</em></p>"]
+            if any(not r.reported["resumed_from_step"] for r in runs)
+            else []
+        ),
         _img(per_event_chart(runs, "lost"), "lost steps per event"),
         "<h2>Goodput</h2>",
         _img(goodput_chart(runs), "goodput"),
@@ -305,9 +352,20 @@ def build_report(runs: list[RunData], path: Path) -> Path:
     return path
 
 
+def _not_reported_note(runs: list[RunData]) -> str:
+    notes = [
+        f"<li>{html.escape(r.mode)}: {html.escape(', '.join(missing))}</li>" for r in runs if (missing := not_reported(r))
+    ]
+    if not notes:
+        return ""
+    return "<p>Not reported by this script (the report shows what it can without them):</p><ul>" + "".join(notes) + "</ul>"
+
+
 def summary_text(runs: list[RunData], report: Path) -> str:
     """The one-screen summary printed when the demo ends."""
     lines = ["", "regroup demo finished", ""]
+    if runs and runs[0].script is not None:
+        lines += [f"script: {_trainer_text(runs[0])}", ""]
     summaries = [summarize(r) for r in runs]
     width = max(len(s.mode) for s in summaries) + 2
     lines.append(f"{'':<36}" + "".join(f"{s.mode:>{width}}" for s in summaries))
@@ -325,5 +383,8 @@ def summary_text(runs: list[RunData], report: Path) -> str:
     for run in runs:
         if run.spans:
             lines += ["", f"re-forms ({run.mode}):", format_table(run_reforms(run), origin=run.started_at)]
+    for run in runs:
+        if missing := not_reported(run):
+            lines.append(f"not reported by this script ({run.mode}): {', '.join(missing)}")
     lines += ["", f"report: {report}", ""]
     return "\n".join(lines)

@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import json
+import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,6 +44,26 @@ STARTUP_TIMEOUT = 240.0
 SETTLE_TIMEOUT = 180.0
 """How long a scripted event waits at most for the job to settle after the previous one
 (a restored node starts its agent and trainer from scratch: torch imports on a busy machine)."""
+FRESH_PROGRESS = 2.0
+"""Progress older than this (or than a few of the job's own publishing intervals, if it
+publishes less often: a user's script may) means the job is not training."""
+
+
+@dataclass
+class Pace:
+    """How often the job publishes progress, and (for a user's script that does not report
+    ``resumed_from_step``) the first step each flaky node's incarnation was seen at."""
+
+    seen: deque[float] = field(default_factory=lambda: deque(maxlen=21))
+    first_steps: dict[str, int] | None = None
+    """Flaky node -> first step seen since its last crash; None: progress reports its resume point."""
+
+    def saw(self, progress: Progress) -> None:
+        self.seen.append(time.time())
+
+    def stale_after(self) -> float:
+        gaps = [b - a for a, b in itertools.pairwise(self.seen)]
+        return max(FRESH_PROGRESS, 3 * statistics.median(gaps)) if gaps else FRESH_PROGRESS
 
 
 def _schedulable(node: NodeInfo) -> bool:
@@ -59,7 +83,7 @@ def _world_bounds(run: RunState) -> tuple[int, int]:
     )
 
 
-def _unsettled(run: RunState, final: bool = False) -> str:
+def _unsettled(run: RunState, final: bool = False, pace: Pace | None = None) -> str:
     """Why the job is not settled yet, or "" once it is: it trains (fresh progress) in a
     world of every usable node (a node that came back trains in it, not just has an agent
     up: its agent and trainer start from scratch first), and no re-form is in flight. At
@@ -69,7 +93,8 @@ def _unsettled(run: RunState, final: bool = False) -> str:
     view = run.recorder.view if run.recorder else None
     if view is None or view.progress is None:
         return "no progress yet"
-    if time.time() - view.progress_seen_at > 2.0:
+    fresh = pace.stale_after() if pace is not None else FRESH_PROGRESS
+    if time.time() - view.progress_seen_at > fresh:
         return f"no progress for {time.time() - view.progress_seen_at:.0f}s"
     if final and run.cluster is not None:
         for flaky in run.flaky.values():
@@ -78,7 +103,7 @@ def _unsettled(run: RunState, final: bool = False) -> str:
                 return f"flaky {flaky.node} not cordoned"
             # ... and the job has trained on since it was dealt with, not just re-formed.
             dealt_with = run.dealt_with.setdefault(flaky.node, time.time())
-            if view.progress_seen_at < dealt_with + 2.0:
+            if view.progress_seen_at < dealt_with + fresh:
                 return f"no training since {flaky.node} was dealt with"
     if view.plan is not None and view.plan.phase != ReformPhase.DONE:
         return f"re-form {view.plan.generation} ({view.plan.cause.value}) in phase {view.plan.phase.value}"
@@ -90,12 +115,12 @@ def _unsettled(run: RunState, final: bool = False) -> str:
     return ""
 
 
-async def _wait_settled(run: RunState, timeout: float, final: bool = False) -> None:
+async def _wait_settled(run: RunState, timeout: float, final: bool = False, pace: Pace | None = None) -> None:
     """Push the script back until the job settles (at most ``timeout``), so each event's
     re-form is over before the next one starts on a slow machine too. Giving up is
     recorded (a ``NotSettled`` event, with why): what follows did not play as written."""
     started = time.time()
-    while why := _unsettled(run, final):
+    while why := _unsettled(run, final, pace):
         if time.time() - started >= timeout:
             why = f"gave up after {timeout:.0f}s waiting for the job to settle: {why}"
             run.record("demo", "NotSettled", why, type_="Warning")
@@ -104,7 +129,7 @@ async def _wait_settled(run: RunState, timeout: float, final: bool = False) -> N
     run.delay += time.time() - started
 
 
-async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
+async def _play(run: RunState, events: tuple[ChurnEvent, ...], pace: Pace | None = None) -> None:
     """Fire each event at its time; with regroup, never before the previous event's re-form is over."""
     assert run.cluster is not None
     for event in events:
@@ -113,7 +138,7 @@ async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
             await asyncio.sleep(delay)
         if run.mode in CONTROLLED:
             # The baseline plays at the scripted times: churn does not wait for a job to recover.
-            await _wait_settled(run, SETTLE_TIMEOUT)
+            await _wait_settled(run, SETTLE_TIMEOUT, pace=pace)
         run.record("scenario", event.action, event.describe(), event.nodes, "Warning")
         for node in event.nodes:
             if event.action == "reclaim":
@@ -134,7 +159,7 @@ async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
                 run.flaky[node] = FlakyNode(node, event.crash_after_steps)
 
 
-def _inject_faults(run: RunState, progress: Progress) -> None:
+def _inject_faults(run: RunState, progress: Progress, pace: Pace | None = None) -> None:
     """Crash the flaky nodes' ranks once the job is far enough into an incarnation."""
     now = time.time()
     for flaky in run.flaky.values():
@@ -148,9 +173,14 @@ def _inject_faults(run: RunState, progress: Progress) -> None:
         member = run.recorder.view.members.get(flaky.node) if run.recorder else None
         if progress.round and (member is None or member.round != progress.round):
             continue
-        if progress.step - progress.resumed_from_step < flaky.crash_after_steps:
+        resumed_from = progress.resumed_from_step
+        if pace is not None and pace.first_steps is not None and not resumed_from:
+            # A script that does not report its resume point: count from the first step seen.
+            resumed_from = pace.first_steps.setdefault(flaky.node, progress.step)
+        if progress.step - resumed_from < flaky.crash_after_steps:
             continue
-        _crash(run, flaky, now, f"at step {progress.step}")
+        if _crash(run, flaky, now, f"at step {progress.step}") and pace is not None and pace.first_steps is not None:
+            pace.first_steps.pop(flaky.node, None)
 
 
 async def _crash_at_start(run: RunState, period: float = 0.1) -> None:
@@ -162,7 +192,8 @@ async def _crash_at_start(run: RunState, period: float = 0.1) -> None:
                 _crash(run, flaky, time.time(), "at start")
 
 
-def _crash(run: RunState, flaky: FlakyNode, now: float, when: str) -> None:
+def _crash(run: RunState, flaky: FlakyNode, now: float, when: str) -> bool:
+    """Kill the flaky node's ranks; whether there were any."""
     assert run.cluster is not None
     if run.cluster.crash_workers(flaky.node):
         flaky.last_crash = now
@@ -170,6 +201,8 @@ def _crash(run: RunState, flaky: FlakyNode, now: float, when: str) -> None:
         run.record(
             "fault", "RankCrashed", f"{flaky.node}: rank killed {when} (crash #{flaky.crashes})", (flaky.node,), "Warning"
         )
+        return True
+    return False
 
 
 @contextlib.asynccontextmanager
@@ -254,14 +287,24 @@ def _latest_checkpoint(root: Path) -> int | None:
 
 
 async def run_scenario(
-    scenario: Scenario, mode: Mode, layout: RunLayout, *, stream: TextIO | None = None, live: bool | None = None
+    scenario: Scenario,
+    mode: Mode,
+    layout: RunLayout,
+    *,
+    stream: TextIO | None = None,
+    live: bool | None = None,
+    script: Sequence[str] | None = None,
 ) -> RunLayout:
     """Play ``scenario`` in ``mode`` and record it under ``layout``; returns the layout.
 
     ``live``: draw the live view (None: only on a terminal; False: one line a second).
+    ``script``: what each rank runs instead of the built-in trainer (torchrun's training
+    command, see ``regroup.demo.nodes.worker_command``); the scenario's ``trainer:``
+    section is then unused.
     """
     layout.logs.mkdir(parents=True, exist_ok=True)
     run = RunState(scenario, mode, layout)
+    pace = Pace(first_steps={} if script else None)
     etcd = EtcdServer(data_dir=layout.root / "etcd-data", log_path=layout.logs / "etcd.log")
     await asyncio.to_thread(etcd.start)
     store: asyncio.subprocess.Process | None = None
@@ -272,14 +315,16 @@ async def run_scenario(
         rdzv_endpoint = etcd.endpoint
         if mode == "torchrun-c10d":
             store, rdzv_endpoint = await _start_c10d_store(layout)
-        config = write_trainer_config(scenario, layout, etcd.endpoint)
+        config = None if script else write_trainer_config(scenario, layout, etcd.endpoint)
+        layout.checkpoints.mkdir(parents=True, exist_ok=True)
+        layout.samples.mkdir(parents=True, exist_ok=True)
         annotations = {**scenario.job.annotations(), "regroup.dev/rdzv-endpoint": etcd.endpoint}
+        launcher = make_launcher(scenario, mode, layout, rdzv_endpoint, config, worker=script, etcd_endpoint=etcd.endpoint)
         run.cluster = LocalCluster(
-            NAMESPACE, scenario.job.name, annotations,
-            make_launcher(scenario, mode, layout, rdzv_endpoint, config),
-            on_event=run.on_cluster_event,
+            NAMESPACE, scenario.job.name, annotations, launcher, on_event=run.on_cluster_event
         )  # fmt: skip
-        run.recorder.view.progress_listeners.append(lambda p: _inject_faults(run, p))
+        run.recorder.view.progress_listeners.append(pace.saw)
+        run.recorder.view.progress_listeners.append(lambda p: _inject_faults(run, p, pace))
         async with contextlib.AsyncExitStack() as stack:
             # Tasks whose early end (a crash) ends the run with an error instead of a silent stall.
             vital = [await stack.enter_async_context(owned_task(run.recorder.run(), "recorder"))]
@@ -301,10 +346,18 @@ async def run_scenario(
             out = stream or sys.stdout
             view = LiveView(run.snapshot, stream=out, tty=out.isatty() if live is None else live)
             await stack.enter_async_context(owned_task(view.run(), "live-view"))
-            await await_vital(trained.wait(), vital, STARTUP_TIMEOUT, "the first training step")
+            try:
+                await await_vital(trained.wait(), vital, STARTUP_TIMEOUT, "the first training step")
+            except TimeoutError as exc:
+                if not script:
+                    raise
+                raise TimeoutError(
+                    f"{exc}: no progress record in etcd; a script must publish progress through "
+                    f"regroup.trainer.elastic (see docs/demo.md, 'Your own script'); its output is in {layout.logs}"
+                ) from None
             run.started_at = time.time()
             await stack.enter_async_context(owned_task(_crash_at_start(run), "faults"))
-            player = await stack.enter_async_context(owned_task(_play(run, scenario.events), "scenario"))
+            player = await stack.enter_async_context(owned_task(_play(run, scenario.events, pace), "scenario"))
             # The run lasts its duration plus whatever the script was pushed back, and ends
             # once the last event's re-form is over (or the settle time ran out).
             while True:
@@ -316,7 +369,7 @@ async def run_scenario(
             if player.exception() is not None:
                 raise RuntimeError(f"the scenario failed: {player.exception()!r}") from player.exception()
             if mode in CONTROLLED:
-                await _wait_settled(run, SETTLE_TIMEOUT, final=True)
+                await _wait_settled(run, SETTLE_TIMEOUT, final=True, pace=pace)
             ended_at = time.time()
             view.draw()
     finally:
@@ -325,6 +378,7 @@ async def run_scenario(
         await asyncio.to_thread(etcd.stop)
     meta = {
         "mode": mode,
+        "script": list(script) if script else None,
         "latest_checkpoint_step": await asyncio.to_thread(_latest_checkpoint, layout.checkpoints),
         "scenario": scenario.name,
         "job": scenario.job.name,

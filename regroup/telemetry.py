@@ -63,6 +63,30 @@ def configure_logging(level: str | None = None, stream: Any = None, *, once: boo
     )
 
 
+class LineAtomicStderr:
+    """stderr for log events: each line leaves in one ``write(2)``, so the lines of ranks
+    that share the agent's pipe never interleave mid-line (pipes keep writes of up to
+    4 KiB whole; ``print`` would send the text and its newline separately)."""
+
+    def __init__(self, fd: int = 2) -> None:
+        self._fd = fd
+        self._pending = threading.local()
+
+    def write(self, text: str) -> int:
+        buffered = getattr(self._pending, "text", "") + text
+        head, sep, rest = buffered.rpartition("\n")
+        if sep:
+            os.write(self._fd, (head + sep).encode(errors="replace"))
+        self._pending.text = rest if sep else buffered
+        return len(text)
+
+    def flush(self) -> None:
+        pending = getattr(self._pending, "text", "")
+        if pending:
+            self._pending.text = ""
+            os.write(self._fd, pending.encode(errors="replace"))
+
+
 class JsonLinesSpanExporter(SpanExporter):
     """Appends each export as one OTLP/JSON ``ExportTraceServiceRequest`` per line.
 

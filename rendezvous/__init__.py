@@ -8,3 +8,6 @@
 - ``handler``: ``EtcdV3RendezvousHandler``, torch's interface over the above.
 - ``registration``: the ``torchrun.handlers`` entry point.
 """
+
+if __name__ != "regroup.rendezvous":  # the folder imported by its own name, e.g. from the repository root
+    raise ImportError(f"import regroup.rendezvous, not {__name__}: regroup installs under the one import name regroup")

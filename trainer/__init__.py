@@ -13,3 +13,6 @@
 - ``stopping``: prompt stops on SIGTERM; ``loop``: the training run, with ``progress``,
   ``checkpoint_requests`` and ``inplace_reform``; ``__main__``: the CLI.
 """
+
+if __name__ != "regroup.trainer":  # the folder imported by its own name, e.g. from the repository root
+    raise ImportError(f"import regroup.trainer, not {__name__}: regroup installs under the one import name regroup")

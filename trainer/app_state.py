@@ -1,5 +1,5 @@
-"""What a checkpoint holds: the model and optimizer (sharded DTensors) and the run's position,
-as one DCP ``Stateful``."""
+"""What a checkpoint holds: the model and optimizer (sharded DTensors), the run's position
+and the user's small registered state (scheduler, extras), as one DCP ``Stateful``."""
 
 from __future__ import annotations
 
@@ -62,12 +62,20 @@ class _KeptState:
 
 
 class AppState(Stateful):
-    """Model + optimizer (sharded DTensors) + trainer state, as one DCP state."""
+    """Model + optimizer (sharded DTensors) + trainer state + the carried small state
+    (``carried``: name -> Stateful, e.g. the LR scheduler), as one DCP state."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, trainer: TrainerState) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer: TrainerState,
+        carried: dict[str, Any] | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.trainer = trainer
+        self.carried = dict(carried or {})
         self._kept: _KeptState | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -83,7 +91,10 @@ class AppState(Stateful):
             for group, fqns in zip(self.optimizer.state_dict()["param_groups"], kept.group_fqns, strict=True)
         ]
         optim = {"state": dict(kept.optim_state), "param_groups": groups}
-        return {"model": dict(kept.model), "optim": optim, "trainer": self.trainer.state_dict()}
+        state = {"model": dict(kept.model), "optim": optim, "trainer": self.trainer.state_dict()}
+        if self.carried:
+            state["carried"] = {name: value.state_dict() for name, value in self.carried.items()}
+        return state
 
     def _keep(self) -> _KeptState:
         # get_state_dict also creates optimizer state templates, which loading needs; the
@@ -107,4 +118,6 @@ class AppState(Stateful):
         self._kept = None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.trainer.load_state_dict(state["trainer"])
+        for name, value in self.carried.items():
+            value.load_state_dict(state["carried"][name])
         self._kept = None  # the optimizer's state objects were replaced

@@ -1,10 +1,11 @@
 """The step-boundary agreement: one tiny all-reduce per step.
 
 Every rank contributes its stop flag, whether its agent announced an in-place re-form,
-its local loss, whether its in-memory snapshot in flight is complete and what snapshots
-cost it; rank 0 alone contributes the checkpoint-request generation it saw and whether a
+its local loss, whether its in-memory snapshot in flight is complete, what snapshots
+cost it, and its step (with its square, so that ranks at different steps are detected: a
+rank that skipped a boundary is an error, not a silent drift); rank 0 alone contributes the checkpoint-request generation it saw and whether a
 timed save is due (its clock decides, so ranks never disagree). One SUM all-reduce of
-seven float64 numbers gives every rank the same decision; with nothing pending nothing
+nine float64 numbers gives every rank the same decision; with nothing pending nothing
 else happens.
 """
 
@@ -34,6 +35,9 @@ class Boundary:
     """Every rank completed its in-flight in-memory snapshot (copied, sent and received)."""
     snapshot_cost: float = 0.0
     """Mean over ranks of what a snapshot costs, as a share of a step without one."""
+    same_step: bool = True
+    """Every rank reached this boundary at the same step (a rank that skipped or added a
+    step makes its peers agree with the wrong boundary: an error, not a silent drift)."""
 
 
 def agree(
@@ -47,13 +51,19 @@ def agree(
     reform: bool = False,
     snapshot_done: bool = True,
     snapshot_cost: float = 0.0,
+    step: int = 0,
 ) -> Boundary:
     values = torch.tensor(
-        [float(generation), float(stop), float(save_due), loss, float(reform), float(snapshot_done), snapshot_cost],
+        [
+            float(generation), float(stop), float(save_due), loss, float(reform), float(snapshot_done), snapshot_cost,
+            float(step), float(step) ** 2,
+        ],
         dtype=torch.float64,
-    )
+    )  # fmt: skip
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
-    generation_sum, stop_sum, due_sum, loss_sum, reform_sum, done_sum, cost_sum = values.tolist()
+    generation_sum, stop_sum, due_sum, loss_sum, reform_sum, done_sum, cost_sum, step_sum, square_sum = values.tolist()
+    # The steps are equal iff their sum of squares is the square of their sum over W (exact in float64).
+    same_step = step_sum * step_sum == square_sum * world_size
     return Boundary(
         int(generation_sum),
         stop_sum > 0,
@@ -62,4 +72,5 @@ def agree(
         reform_sum > 0,
         round(done_sum) == world_size,
         cost_sum / world_size,
+        same_step,
     )

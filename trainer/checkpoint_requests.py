@@ -31,7 +31,7 @@ _HOLD_POLL_S = 0.2
 
 
 class CheckpointRequests:
-    """Answering checkpoint requests (a part of ``regroup.trainer.loop.TrainingRun``; ``save`` is the
+    """Answering checkpoint requests (a part of ``regroup.trainer.elastic.Run``; ``save`` is the
     run's, ``publish`` is ``regroup.trainer.progress``'s, ``_reform_due`` and ``_leave_if_due`` are
     ``regroup.trainer.inplace_reform``'s)."""
 

@@ -48,6 +48,11 @@ def config_from_dict(
         section.setdefault("job", env.get("TORCHELASTIC_RUN_ID", ""))
         section.setdefault("namespace", env.get("POD_NAMESPACE") or "default")
         tree["etcd"] = section
+    # Where a launcher (``regroup demo``, a pod spec) puts this run's files, unless the config says.
+    if env.get("REGROUP_CHECKPOINT_DIR") and not (tree.get("checkpoint") or {}).get("dir"):
+        tree["checkpoint"] = {**(tree.get("checkpoint") or {}), "dir": env["REGROUP_CHECKPOINT_DIR"]}
+    if env.get("REGROUP_SAMPLE_LOG") and not (tree.get("data") or {}).get("sample_log"):
+        tree["data"] = {**(tree.get("data") or {}), "sample_log": env["REGROUP_SAMPLE_LOG"]}
     faults_env = env.get("REGROUP_TRAINER_FAULTS")
     if faults_env:
         try:

@@ -79,13 +79,15 @@ def runtime_on_default_group(local_rank: int, device: torch.device, timeout: tim
     return Runtime(rank, world_size, local_rank, device, mesh, checkpoint_group, control_group)
 
 
-def build_sharded_model(cfg: ModelConfig, seed: int, runtime: Runtime) -> nn.Module:
-    """The decoder, initialised identically on every rank, then sharded: one FSDP unit per
-    block and the root. On CUDA: bf16 compute with fp32 gradient reduction (params kept fp32)."""
+def build_sharded_model(cfg: ModelConfig, seed: int, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """The decoder, initialised identically on every rank, then sharded over ``mesh``: one
+    FSDP unit per block and the root. On CUDA: bf16 compute with fp32 gradient reduction
+    (params kept fp32)."""
     model = Decoder(cfg)
     model.init_weights(seed)
-    if runtime.is_cuda:
-        model.to(runtime.device)
+    is_cuda = device.type == "cuda"
+    if is_cuda:
+        model.to(device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
@@ -95,11 +97,11 @@ def build_sharded_model(cfg: ModelConfig, seed: int, runtime: Runtime) -> nn.Mod
 
             block = checkpoint_wrapper(block)
             model.layers[index] = block
-        if cfg.compile and runtime.is_cuda:
+        if cfg.compile and is_cuda:
             block.compile()
         # The last block's parameters are needed first in backward: no point resharding them.
-        fully_shard(block, mesh=runtime.mesh, mp_policy=policy, reshard_after_forward=index < len(model.layers) - 1)
-    fully_shard(model, mesh=runtime.mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(model.layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

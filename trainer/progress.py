@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from regroup.rendezvous.inplace.world import ElasticWorld
     from regroup.trainer.app_state import TrainerState
     from regroup.trainer.checkpoint import Checkpointer
-    from regroup.trainer.config import TrainConfig
+    from regroup.trainer.elastic.options import Options
     from regroup.trainer.control import JobChannel
     from regroup.trainer.distributed import Runtime
-    from regroup.trainer.loop import RunInfo
+    from regroup.trainer.elastic.session import RunInfo
     from regroup.trainer.snapshot import Snapshots
     from regroup.trainer.world_change import WorldChange
 
@@ -47,9 +47,9 @@ class Counters:
 
 
 class ProgressReports:
-    """The training run's progress publishing (a part of ``regroup.trainer.loop.TrainingRun``)."""
+    """The training run's progress publishing (a part of ``regroup.trainer.elastic.Run``)."""
 
-    cfg: TrainConfig
+    cfg: Options
     rt: Runtime
     info: RunInfo
     world: ElasticWorld | None
@@ -62,6 +62,7 @@ class ProgressReports:
     tracer: Tracer
     last_loss: float
     tokens_per_s: float
+    samples_per_s: float
     resumed_from: int
     _last_progress_time: float
 
@@ -82,6 +83,7 @@ class ProgressReports:
             resume_phases=dict(self.change.phases),
             extra={
                 "state": c.state,
+                "samples_per_s": round(self.samples_per_s, 3),
                 "checkpoint_saves": c.checkpoint_saves,
                 "requests_honoured": c.requests_honoured,
                 "last_checkpoint_stall_s": round(c.last_stall_s, 6),

@@ -8,7 +8,9 @@ workers the usual way can share the round), and hands the workers their new worl
 Everything else is torch's: worker failures, ``--max-restarts``, the exit barrier, logs.
 
 A worker that cannot re-form in place exits non-zero; this agent then restarts it the
-usual way, and the others re-form around it. With ``standby``, workers are started before
+usual way, and the others re-form around it. On a node left out of the next round, the
+workers hand their shards over and report "leaving" (``ElasticWorld.rejoin`` raises
+``LeavingJob`` there), and this agent then leaves the job at once, exiting 0. With ``standby``, workers are started before
 the rendezvous, so a node joining a running job (or restarting its workers) pays for
 interpreter start-up and ``import torch`` while the round forms, not after.
 """
@@ -19,6 +21,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,14 +33,46 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.metrics import put_metric
 
 from regroup.rendezvous.store import RoundAbandoned
-from regroup.rendezvous.inplace.channel import CHANNEL_ENV, STANDBY_ENV, NodeWorld, RankSlot, WorkerReport, write_atomically, WORLD_FILE
+from regroup.rendezvous.inplace.channel import (
+    CHANNEL_ENV,
+    STANDBY_ENV,
+    WAIT_EXPIRED,
+    WORLD_FILE,
+    NodeWorld,
+    RankSlot,
+    WorkerReport,
+    describe_report,
+    write_atomically,
+)
 
 log = structlog.get_logger("regroup.inplace.agent")
 
 WARM_TIMEOUT_S = 300.0
 """How long a standby agent waits for its workers to start up before joining anyway."""
 HANDOFF_TIMEOUT_S = 60.0
-"""How long the agent of a leaving node waits for its workers to hand their shards over."""
+"""How long the agent of a leaving node waits for its workers to hand their shards over
+(a worker is done once it reported anything but "running", or exited)."""
+
+
+def _started(report: WorkerReport | None) -> bool:
+    """The worker has started up: it reached ``ElasticWorld.join`` (any report of its own)."""
+    return report is not None
+
+
+def _left_since(announced_at: float) -> Callable[[WorkerReport | None], bool]:
+    """Whether a worker of a leaving node is done with its world, given the announcement's
+    time: it reported "leaving" (at any time: after any hand-off of its shards, which it
+    does while still "running"), or "waiting" since the announcement (it left its world
+    and has nothing to hand over; ``rejoin`` then raises ``LeavingJob``), or never reported
+    (it never joined a world). An older "waiting" may be a world still forming, which
+    can still go on to train and hand its shards over: that one is waited for."""
+
+    def left(report: WorkerReport | None) -> bool:
+        if report is None or report.state == "leaving":
+            return True
+        return report.state == "waiting" and report.written_at >= announced_at
+
+    return left
 
 
 class InPlaceAgent(LocalElasticAgent):
@@ -136,12 +171,13 @@ class InPlaceAgent(LocalElasticAgent):
         self._join_first = False
         # Join only once every worker has started up (imported torch, reached
         # ElasticWorld.join): the round never waits on a cold interpreter.
-        self._await_reports(None, WARM_TIMEOUT_S)
+        self._await_workers("the workers to start up before joining the round (WARM_TIMEOUT_S)", _started,
+                            WARM_TIMEOUT_S)
         self._rendezvous(worker_group)
         for local_rank, worker_id in ids.items():
             worker_group.workers[local_rank].id = worker_id
 
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+    def _rendezvous(self, worker_group: WorkerGroup, publish: bool = True) -> None:
         handler = worker_group.spec.rdzv_handler
         while True:
             try:
@@ -153,26 +189,52 @@ class InPlaceAgent(LocalElasticAgent):
                 log.warning("round abandoned while assigning ranks; joining the next", reason=str(exc))
                 getattr(handler, "abandon_round", lambda: None)()
         self._rounds += 1
-        self._publish(worker_group, pending=False, reason="round formed")
+        if publish:
+            self._publish(worker_group, pending=False, reason="round formed")
 
-    def _await_reports(self, state: str | None, timeout_s: float) -> None:
-        """Wait until every local worker process has reported (``state`` None: anything, i.e.
-        it has started up; else that state), at most ``timeout_s``. A worker that exits
-        meanwhile is left to the monitor loop: nothing more will come from it."""
+    def _await_workers(
+        self, waited_for: str, answered: Callable[[WorkerReport | None], bool], timeout_s: float
+    ) -> bool:
+        """Wait until every local worker process has ``answered`` (given its own last report,
+        None if it has none), at most ``timeout_s``; False if the wait ran out (then one
+        ``WAIT_EXPIRED`` warning names who had not answered and what each last reported). A
+        worker that exits meanwhile is left to the monitor loop: nothing more will come from it."""
         deadline = time.monotonic() + timeout_s
-        pids = self._pcontext.pids() if self._pcontext is not None else {}
-        pending = dict(pids)
-        while pending and time.monotonic() < deadline:
-            for local_rank, pid in list(pending.items()):
-                report = WorkerReport.read(self._channel, local_rank)
-                if report is not None and report.pid == pid and state in (None, report.state):
-                    pending.pop(local_rank)
-            if pending and self._pcontext is not None and self._pcontext.wait(0) is not None:
-                return
+        while True:
+            pids = self._pcontext.pids() if self._pcontext is not None else {}
+            reports = {local_rank: WorkerReport.read(self._channel, local_rank) for local_rank in pids}
+            pending = {
+                local_rank: pid
+                for local_rank, pid in pids.items()
+                if not self._exited(local_rank) and not answered(_own(reports[local_rank], pid))
+            }
+            if not pending:
+                return True
+            if self._pcontext is not None and self._pcontext.wait(0) is not None:
+                return True  # all exited, or one failed (torch then stops the others)
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
-        if pending:
-            log.warning("workers did not report in time; going on", waiting_for=state or "start-up",
-                        local_ranks=sorted(pending), timeout_s=timeout_s)
+        handler = self._worker_group.spec.rdzv_handler
+        now = time.time()
+        log.warning(
+            WAIT_EXPIRED,
+            waited_for=waited_for,
+            timeout_s=timeout_s,
+            node=str(getattr(handler, "node", "")),
+            round=int(getattr(handler, "round", self._rounds)),
+            not_answered=[
+                {"local_rank": local_rank, **describe_report(reports[local_rank], pid, now)}
+                for local_rank, pid in sorted(pending.items())
+            ],
+        )
+        return False
+
+    def _exited(self, local_rank: int) -> bool:
+        """Whether worker ``local_rank``'s process has exited (torch's context keeps its exit code)."""
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        handler = handlers.get(local_rank)
+        return handler is not None and handler.proc.poll() is not None
 
     # -- the in-place path ------------------------------------------------------------------------
 
@@ -192,14 +254,30 @@ class InPlaceAgent(LocalElasticAgent):
         """Announce, join the next round with the workers alive, hand them their new world."""
         started = time.monotonic()
         handler = worker_group.spec.rdzv_handler
-        leaving = bool(getattr(handler, "left_out", lambda: False)())
-        self._announce("leaving the job" if leaving else "membership changed", leaving=leaving)
+        leaving = _left_out(handler)
+        announced = self._announce("leaving the job" if leaving else "membership changed", leaving=leaving)
         if leaving:
-            # Its workers hand their shards to survivors first; the round (which excludes this
-            # node and ends this agent) is joined once they are done, or gone.
-            self._await_reports("leaving", HANDOFF_TIMEOUT_S)
+            # Its workers hand their shards to survivors first (still "running"); the round
+            # (which excludes this node and ends this agent) is joined once they have left
+            # their world ("leaving", or "waiting": ElasticWorld.rejoin raises LeavingJob on
+            # this announcement), or exited.
+            started_handoff = time.monotonic()
+            if self._await_workers("the workers of this leaving node to leave their world (HANDOFF_TIMEOUT_S)",
+                                   _left_since(announced.written_at), HANDOFF_TIMEOUT_S):
+                log.info("workers left their world; leaving the job",
+                         seconds=round(time.monotonic() - started_handoff, 3))
         pids = self._pcontext.pids() if self._pcontext is not None else {}
-        self._rendezvous(worker_group)
+        self._rendezvous(worker_group, publish=not leaving)
+        if leaving:
+            # Not left out after all: the controller took this node back between the
+            # announcement and the round. Its workers were told to go (they left their world,
+            # some may have exited 0, which must not read as the job's success): start new
+            # ones. A membership change, not a failure of this node's.
+            log.warning("taken into the round after its workers were told this node leaves; restarting them",
+                        round=int(getattr(handler, "round", self._rounds)))
+            getattr(handler, "abandon_round", lambda: None)()
+            self._restart_workers(worker_group)
+            return
         # The rank assignment made new Worker records: they are still the same processes.
         for worker in worker_group.workers:
             worker.id = pids.get(worker.local_rank)
@@ -214,10 +292,10 @@ class InPlaceAgent(LocalElasticAgent):
 
     # -- the channel --------------------------------------------------------------------------------
 
-    def _announce(self, reason: str, leaving: bool = False) -> None:
+    def _announce(self, reason: str, leaving: bool = False) -> NodeWorld:
         """Tell the workers to leave their process group at the next step boundary."""
         current = NodeWorld.read(self._channel)
-        self._write(
+        return self._write(
             NodeWorld(
                 seq=0,
                 round=current.round if current else 0,
@@ -254,7 +332,28 @@ class InPlaceAgent(LocalElasticAgent):
             )
         )
 
-    def _write(self, world: NodeWorld) -> None:
+    def _write(self, world: NodeWorld) -> NodeWorld:
         self._seq += 1
         stamped = NodeWorld(**{**world.__dict__, "seq": self._seq, "written_at": time.time()})
         write_atomically(self._channel / WORLD_FILE, stamped.to_json())
+        return stamped
+
+
+def _left_out(handler: Any) -> bool:
+    """This node is left out of the next round: the controller's next expected membership
+    leaves it out, or the round that answered it formed already and excluded this node's
+    agent (one that noticed the re-form late: the expected membership is consumed then,
+    and its join will be refused)."""
+    if getattr(handler, "left_out", lambda: False)():
+        return True
+    state = getattr(getattr(handler, "view", None), "state", None)
+    node = getattr(handler, "node", None)
+    if state is None or node is None or state.round <= int(getattr(handler, "round", 0)):
+        return False
+    # Agent ids are "<node>@<registration time>"; a node has one live agent at a time.
+    return any(agent.rpartition("@")[0] == node for agent in state.excluded)
+
+
+def _own(report: WorkerReport | None, pid: int) -> WorkerReport | None:
+    """``report`` if process ``pid`` wrote it (not an earlier worker of this local rank)."""
+    return report if report is not None and report.pid == pid else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -24,6 +25,11 @@ STANDBY_ENV = "REGROUP_STANDBY"
 """``1`` when the worker was started before its rank was known: it waits for ``world.json``."""
 
 WORLD_FILE = "world.json"
+
+WAIT_EXPIRED = "in-place wait expired"
+"""The one log event (a warning) of every bounded wait of the in-place hand-off that runs
+out, on either side of the channel: ``waited_for`` (what), ``timeout_s`` and
+``not_answered`` (who, and the last state each of them reported or wrote)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,35 @@ class WorkerReport(Record):
             return cls.from_json((folder / report_name(local_rank)).read_bytes())
         except (OSError, RecordError):
             return None
+
+
+def describe_world(world: NodeWorld | None, now: float | None = None) -> dict[str, object]:
+    """What the agent last wrote in ``world.json``, for a log line."""
+    if world is None:
+        return {"last_state": "nothing written"}
+    state = ("pending, leaving" if world.leaving else "pending") if world.pending else "world handed out"
+    return {
+        "last_state": state,
+        "last_round": world.round,
+        "last_seq": world.seq,
+        "reason": world.reason,
+        "written_s_ago": round((time.time() if now is None else now) - world.written_at, 1),
+    }
+
+
+def describe_report(report: WorkerReport | None, pid: int, now: float | None = None) -> dict[str, object]:
+    """Worker process ``pid``'s last report (``report``: the file's, maybe an earlier
+    process's), for a log line."""
+    if report is None:
+        return {"pid": pid, "last_state": "no report"}
+    if report.pid != pid:
+        return {"pid": pid, "last_state": f"no report (the file is of an earlier process, pid {report.pid})"}
+    return {
+        "pid": pid,
+        "last_state": report.state,
+        "last_round": report.round,
+        "reported_s_ago": round((time.time() if now is None else now) - report.written_at, 1),
+    }
 
 
 def report_name(local_rank: int) -> str:

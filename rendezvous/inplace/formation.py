@@ -13,6 +13,7 @@ from datetime import timedelta
 import structlog
 import torch.distributed as dist
 
+from regroup.rendezvous.inplace.channel import WAIT_EXPIRED
 from regroup.rendezvous.inplace.membership import Membership, ReformFailed, Superseded
 
 log = structlog.get_logger("regroup.inplace.world")
@@ -66,6 +67,16 @@ def connect_store(
             if give_up():
                 raise Superseded(f"could not reach the store of round {membership.round}: {exc}") from exc
             if time.monotonic() >= deadline:
+                log.warning(
+                    WAIT_EXPIRED,
+                    waited_for=f"the store of round {membership.round}, hosted by its rank 0",
+                    timeout_s=form_timeout.total_seconds(),
+                    rank=membership.rank,
+                    round=membership.round,
+                    tries=tries,
+                    not_answered=[{"who": "rank 0", "store": f"{membership.master_addr}:{membership.master_port}",
+                                   "last_error": str(exc)[:300]}],
+                )
                 raise ReformFailed(
                     f"could not reach the store of round {membership.round} within {form_timeout}: {exc}"
                 ) from exc

@@ -11,15 +11,24 @@ plus flags of its own::
 each rendezvous (only for scripts that use ``ElasticWorld``, which read their rank from
 the agent instead of the environment); ``--probation`` keeps a node whose own workers
 failed out of the next round for a while, so the others train on without it.
+
+With the ``etcd-v3`` backend the workers also get ``REGROUP_ETCD_ENDPOINT`` (from
+``--rdzv-endpoint``) unless their environment sets it already, so a script finds its job's
+etcd with no configuration of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+from collections.abc import MutableMapping
 from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
+
+ETCD_ENDPOINT_ENV = "REGROUP_ETCD_ENDPOINT"
+ETCD_BACKEND = "etcd-v3"
 
 
 def build_parser():  # type: ignore[no-untyped-def]
@@ -49,6 +58,16 @@ def build_parser():  # type: ignore[no-untyped-def]
     return parser
 
 
+def export_etcd_endpoint(rdzv_backend: str, rdzv_endpoint: str, environ: MutableMapping[str, str]) -> bool:
+    """Give the workers (who inherit ``environ``) the job's etcd: with the ``etcd-v3``
+    backend, ``REGROUP_ETCD_ENDPOINT`` is set from ``--rdzv-endpoint`` when the environment
+    has none. Returns whether it was set."""
+    if rdzv_backend != ETCD_BACKEND or not rdzv_endpoint or environ.get(ETCD_ENDPOINT_ENV):
+        return False
+    environ[ETCD_ENDPOINT_ENV] = rdzv_endpoint
+    return True
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed.launcher.api as launcher_api
@@ -57,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     from regroup.rendezvous.inplace.agent import InPlaceAgent
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Workers inherit the agent's environment.
+    export_etcd_endpoint(args.rdzv_backend, args.rdzv_endpoint, os.environ)
     # torch's launch_agent builds its agent from this module attribute; the rest is torch's.
     launcher_api.LocalElasticAgent = functools.partial(  # type: ignore[misc]
         InPlaceAgent,

@@ -21,6 +21,24 @@ class Superseded(RuntimeError):
     """The world being formed was replaced by a newer one before it started."""
 
 
+class LeavingJob(SystemExit):
+    """This worker's node is left out of the next world (the controller's expected
+    membership excludes it): the job goes on without it, and the script should exit.
+
+    Raised by ``ElasticWorld.rejoin`` (and ``join``) once the agent's announcement says this
+    node is leaving, after the worker reported "leaving" to its agent, which then leaves the
+    job at once and stops the worker. It is a ``SystemExit`` with code 0: a script that does
+    not catch it ends cleanly, and an ``except Exception`` around a training step does not
+    swallow it. Catch it to clean up first (close files, ``world.close()``), then exit."""
+
+    def __init__(self, reason: str = "this node leaves the job") -> None:
+        super().__init__(0)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 class ReformFailed(RuntimeError):
     """This worker could not take part in the re-form in place; it should exit non-zero so
     its agent restarts it (the restart path)."""

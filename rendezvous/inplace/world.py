@@ -16,9 +16,12 @@ same process: no re-import, no new CUDA context, its model still in memory::
         except Exception as exc:
             if not world.interrupted(exc):
                 raise                                   # a bug of ours: fail as usual
-            world.leave()
             world.rejoin()                              # new rank, world size, process group
             model, optimizer = rebuild_and_restore(world)
+
+When this node is left out of the next world (the controller's expected membership
+excludes it), ``rejoin`` raises ``LeavingJob``, a ``SystemExit`` with code 0: the script
+ends (its agent, which leaves the job at once, would stop it anyway). Catch it to clean up.
 
 A collective blocked on a dead or hung peer does not hang the survivor: once the re-form
 is announced and the worker has not left within ``abort_grace``, a watcher thread severs
@@ -44,14 +47,16 @@ from regroup.rendezvous.inplace.abort import abort_groups, forget_failed_formati
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
     STANDBY_ENV,
+    WAIT_EXPIRED,
     NodeWorld,
     WorkerReport,
     WorldFile,
+    describe_world,
     report_name,
     write_atomically,
 )
 from regroup.rendezvous.inplace.formation import connect_store, init_default_group
-from regroup.rendezvous.inplace.membership import Interrupted, Membership, ReformFailed, Superseded
+from regroup.rendezvous.inplace.membership import Interrupted, LeavingJob, Membership, ReformFailed, Superseded
 
 log = structlog.get_logger("regroup.inplace.world")
 
@@ -119,7 +124,8 @@ class ElasticWorld:
         a step boundary after a re-form is announced before its blocked collectives are made
         to fail. ``keep_ports``: remote ports of connections never severed (your etcd).
         ``form_timeout``: how long forming one world may take before it is given up (the
-        worker then exits and its agent restarts it) instead of waiting out ``timeout``."""
+        worker then exits and its agent restarts it) instead of waiting out ``timeout``.
+        Raises ``LeavingJob`` when this node is left out before its first world formed."""
         world = cls(dict(os.environ) if env is None else env, backend, timeout, abort_grace, keep_ports, form_timeout)
         world._report("waiting", 0)
         if world.in_place:
@@ -164,6 +170,7 @@ class ElasticWorld:
             if latest is not None and self._supersedes(latest):
                 return latest  # the announcement, or already the next world (not leaving, then)
             if time.monotonic() >= deadline:
+                self._expired(f"this node's announcement of the re-form that ends round {self.round}", timeout, latest)
                 return None
             time.sleep(_POLL_S)
 
@@ -191,20 +198,27 @@ class ElasticWorld:
         self._report("leaving", self.round)
 
     def rejoin(self, stop: Callable[[], bool] = lambda: False, timeout: timedelta | None = None) -> Membership:
-        """Wait for the agent to hand out the next world and form it; the new membership.
+        """Leave the current world (``leave``), wait for the agent to hand out the next one
+        and form it; the new membership.
 
         A world superseded while it forms (a member vanished, or a restarted node came
         back) is dropped and the newer one formed, in the same process. Raises
+        ``LeavingJob`` (a ``SystemExit`` with code 0) when this node's announcement says it
+        is left out of the next world, before or while waiting: the worker has reported
+        "leaving" and should exit; its agent leaves the job at once and stops it. Raises
         ``ReformFailed`` when no world comes within ``timeout`` (default: the world's
-        timeout), when ``stop()`` turns true while waiting, or when this node is left out
-        while forming: the worker then exits and its agent takes over."""
+        timeout) or when ``stop()`` turns true while waiting: the worker then exits
+        non-zero and its agent restarts it."""
         if not self.in_place:
             raise ReformFailed("not started by an in-place agent (regroup-run)")
         self.leave()
         old = self.round
+        self._leave_job_if_left_out(self._file.poll() if self._file else None)
         self._report("waiting", old)
         limit = timeout or self.timeout
-        membership = self._await_world(lambda w: not w.pending and w.round > old, stop, limit)
+        membership = self._await_world(
+            lambda w: not w.pending and w.round > old, stop, limit, f"the world after round {old}", leaving_ends=True
+        )
         return self._form_newest(membership, stop, limit)
 
     def close(self) -> None:
@@ -219,37 +233,63 @@ class ElasticWorld:
             return Membership.from_env(self._env, self.local_rank)
         if self.standby:
             # Started ahead of the rendezvous: the agent writes our world once the round forms.
-            return self._await_world(lambda w: not w.pending, stop, self.timeout)
+            return self._await_world(lambda w: not w.pending, stop, self.timeout, "the first world", leaving_ends=True)
         current = self._file.poll() if self._file else None
         if current is None:
             return Membership.from_env(self._env, self.local_rank)
         # The agent may have re-formed while this process started: its file is the newest word.
-        return self._await_world(lambda w: not w.pending, stop, self.timeout)
+        return self._await_world(lambda w: not w.pending, stop, self.timeout, "the first world", leaving_ends=True)
 
     def _await_world(
         self,
         ready: Callable[[NodeWorld], bool],
         stop: Callable[[], bool],
         timeout: timedelta,
-        leaving_fails: bool = False,
+        what: str,
+        leaving_ends: bool = False,
     ) -> Membership:
-        """The first world from the agent that is ``ready``. ``leaving_fails``: an
-        announcement that this node leaves the job ends the wait with ``ReformFailed`` (no
-        world will come for it; its agent ends it)."""
+        """The first world from the agent that is ``ready`` (``what``: which, for the log).
+        ``leaving_ends``: an announcement that this node leaves the job ends the wait with
+        ``LeavingJob`` (no world will come for it; its agent ends it)."""
         assert self._file is not None
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             world = self._file.poll()
-            if leaving_fails and world is not None and world.pending and world.leaving:
-                self._report("leaving", self.round)
-                raise ReformFailed("this node leaves the job")
+            if leaving_ends:
+                self._leave_job_if_left_out(world)
             if world is not None and ready(world):
                 return Membership.from_world(world, self.local_rank)
             if stop():
                 raise ReformFailed("stopped while waiting for the next world")
             if time.monotonic() >= deadline:
-                raise ReformFailed(f"no world handed out within {timeout}")
+                self._expired(what, timeout, world)
+                raise ReformFailed(f"no world handed out within {timeout}: waited for {what}")
             time.sleep(_POLL_S)
+
+    def _leave_job_if_left_out(self, world: NodeWorld | None) -> None:
+        """If ``world`` (the agent's newest word) announces that this node leaves the job:
+        report "leaving" (the agent waits for that, then leaves) and raise ``LeavingJob``."""
+        if world is None or not (world.pending and world.leaving):
+            return
+        if self.membership is not None and world.seq <= self.membership.seq:
+            return  # not newer than the world this worker runs in (cannot happen: the agent leaves)
+        self._report("leaving", self.round)
+        log.info("this node leaves the job; leaving the script", round=self.round, local_rank=self.local_rank,
+                 reason=world.reason)
+        raise LeavingJob(f"this node leaves the job ({world.reason or 'left out of the next round'}); exit")
+
+    def _expired(self, what: str, timeout: timedelta, world: NodeWorld | None) -> None:
+        """One warning for a wait on the agent that ran out: what for, and what the agent last wrote."""
+        membership = self.membership
+        log.warning(
+            WAIT_EXPIRED,
+            waited_for=what,
+            timeout_s=timeout.total_seconds(),
+            local_rank=self.local_rank,
+            rank=membership.rank if membership else None,
+            round=self.round,
+            not_answered=[{"who": "this node's agent (world.json)", **describe_world(world)}],
+        )
 
     def _form_newest(self, membership: Membership, stop: Callable[[], bool], timeout: timedelta) -> Membership:
         """Form ``membership``; while a newer world supersedes the one forming, form that one
@@ -269,7 +309,8 @@ class ElasticWorld:
                     lambda w: not w.pending and w.seq > superseded.seq and w.round > superseded.round,
                     stop,
                     timeout,
-                    leaving_fails=True,
+                    f"a world newer than round {superseded.round} (superseded while forming)",
+                    leaving_ends=True,
                 )
 
     def _form(self, membership: Membership, stop: Callable[[], bool]) -> None:
@@ -344,7 +385,20 @@ class ElasticWorld:
                         sever_connections(self._baseline, self._keep_ports)
                         self._severed = forming
                         self._overdue = forming if overdue else None
-                        log.warning("failing the formation of a world", round=forming.round, overdue=overdue)
+                        if overdue:
+                            # gloo does not say which peers never connected; their agents' logs do.
+                            log.warning(
+                                WAIT_EXPIRED,
+                                waited_for=f"the {forming.world_size} ranks of round {forming.round} to connect",
+                                timeout_s=self.form_timeout.total_seconds(),
+                                local_rank=self.local_rank,
+                                rank=forming.rank,
+                                round=forming.round,
+                                not_answered=[{"who": "some of the world's other ranks (gloo does not say which)",
+                                               "store": f"{forming.master_addr}:{forming.master_port}"}],
+                            )
+                        else:
+                            log.warning("failing the formation of a world", round=forming.round, overdue=overdue)
                         continue
                 if self._left or self._aborted:
                     continue

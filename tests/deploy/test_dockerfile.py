@@ -129,11 +129,15 @@ def test_build_context_holds_what_the_dockerfile_copies_and_nothing_heavy() -> N
 
 
 def test_every_package_of_the_distribution_is_copied_into_the_wheel_stage() -> None:
+    # One import name: regroup/, whose links (regroup/controller -> ../controller, ...) put
+    # the top-level folders under it; both the links and their targets must be copied.
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["regroup", "regroup.*"]
+    links = sorted(p for p in (REPO / "regroup").iterdir() if p.is_symlink())
+    assert [p.name for p in links] == ["controller", "demo", "rendezvous", "trainer"]
     wheel_stage = " ".join(_stages()["wheel"])
-    for package in packages:
-        assert f"COPY {package} ./{package}" in wheel_stage, package
+    for folder in ["regroup"] + [p.resolve().relative_to(REPO).as_posix() for p in links]:
+        assert f"COPY {folder} ./{folder}" in wheel_stage, folder
     assert "COPY pyproject.toml README.md ./" in wheel_stage
 
 
@@ -150,12 +154,15 @@ def _build_wheel(tmp_path: Path) -> Path:
     context = tmp_path / "context"
     for allowed in (p.removeprefix("!").strip("/") for p in patterns if p.startswith("!")):
         source = REPO / allowed
-        files = [source] if source.is_file() else [f for f in source.rglob("*") if f.is_file()]
+        files = [source] if source.is_file() else [f for f in source.rglob("*") if f.is_file() or f.is_symlink()]
         for file in files:
             relative = file.relative_to(REPO).as_posix()
             if not _ignored(relative, patterns):
                 (context / relative).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(file, context / relative)
+                if file.is_symlink():  # COPY keeps links as links
+                    (context / relative).symlink_to(file.readlink())
+                else:
+                    shutil.copy2(file, context / relative)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q",
          "--wheel-dir", str(tmp_path / "wheels"), str(context)],
@@ -177,7 +184,11 @@ def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(
         info = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = archive.read(info).decode()
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
-    assert {"controller/main.py", "rendezvous/registration.py", "trainer/smoke.py", "regroup/cli.py"} <= names
+    assert {
+        "regroup/controller/main.py", "regroup/rendezvous/registration.py", "regroup/trainer/smoke.py", "regroup/cli.py"
+    } <= names  # fmt: skip
+    # One import name: nothing but regroup lands in site-packages.
+    assert {n.split("/")[0] for n in names} == {"regroup", info.split("/")[0]}
     assert not any("__pycache__" in n for n in names)
     assert re.search(r"\[torchrun.handlers\]\s+etcd-v3 = regroup.rendezvous.registration:handler_factory", entry_points)
     assert "regroup = regroup.cli:main" in entry_points

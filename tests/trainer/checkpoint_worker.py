@@ -28,7 +28,7 @@ NEW_EXP_AVG = 7.0
 def main(root: str, out: str) -> None:
     cfg = config_from_dict({"model": TINY_MODEL, "checkpoint": {"dir": root, "keep_last": 5}})
     runtime = init_runtime({}, "cpu", timeout=timedelta(minutes=2))
-    model = build_sharded_model(cfg.model, 0, runtime)
+    model = build_sharded_model(cfg.model, 0, runtime.mesh, runtime.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     app = AppState(model, optimizer, TrainerState())
     checkpointer = Checkpointer(cfg.checkpoint, runtime)

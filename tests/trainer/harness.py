@@ -39,7 +39,7 @@ def torchrun_argv(nproc: int, config: Path, *overrides: str, max_restarts: int =
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.1",
         "-m",
-        "trainer",
+        "regroup.trainer",
         "--config",
         str(config),
     ]

@@ -13,32 +13,50 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from regroup.trainer.app_state import AppState, TrainerState
+from regroup.trainer.batching import plan_batches
+from regroup.trainer.checkpoint import Checkpointer
 from regroup.trainer.config_loading import load_config
-from regroup.trainer.distributed import init_runtime
-from regroup.trainer.loop import RunInfo, TrainingRun
-from regroup.trainer.stopping import StopSignal, hard_exit
+from regroup.trainer.data import batch, make_source
+from regroup.trainer.distributed import build_sharded_model, init_runtime
+from regroup.trainer.stopping import hard_exit
 
 
 def main(config: str, out: str) -> None:
     env = dict(os.environ)
     cfg = load_config(config, env=env)
     runtime = init_runtime(env, "cpu", timeout=timedelta(minutes=2))
-    run = TrainingRun(cfg, runtime, RunInfo(), StopSignal(), None)
-    assert run.checkpointer is not None
-    run.checkpointer.prepare()
-    if run.checkpointer.load_latest(run.app) is None:
-        run.train_step()
-        run.train_step()
+    torch.manual_seed(cfg.seed)
+    model = build_sharded_model(cfg.model, cfg.seed, runtime.mesh, runtime.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    app = AppState(model, optimizer, TrainerState())
+    checkpointer = Checkpointer(cfg.checkpoint, runtime)
+    plan = plan_batches(cfg.batch.global_batch_size, runtime.world_size, runtime.rank)
+    source = make_source(cfg.data, cfg.model)
+
+    def train_step() -> None:
+        inputs, targets = batch(source, plan.step_ids(app.trainer.step))
+        F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten()).backward()
+        checkpointer.wait_staged()  # the async save's copy must finish before parameters change
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        app.trainer.step += 1
+
+    checkpointer.prepare()
+    if checkpointer.load_latest(app) is None:
+        train_step()
+        train_step()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state, optim_state = get_state_dict(run.model, run.optimizer, options=options)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     if runtime.rank == 0:
-        torch.save({"model": model_state, "optim": optim_state["state"], "step": run.state.step}, out)
-    run.state.step += 1
-    run.save(wait=False)
-    run.train_step()
-    run.checkpointer.finish()
+        torch.save({"model": model_state, "optim": optim_state["state"], "step": app.trainer.step}, out)
+    app.trainer.step += 1
+    checkpointer.save(app, app.trainer.step, use_async=True)
+    train_step()
+    checkpointer.finish()
     dist.barrier(group=runtime.control_group)
 
 

@@ -29,7 +29,7 @@ def runtime() -> Iterator[object]:
 
 def test_a_snapshot_holds_its_step_while_the_next_one_changes_the_parameters(runtime: object) -> None:
     cfg = config_from_dict({"model": {"dim": 256, "n_layers": 2, "n_heads": 4, "seq_len": 32}})
-    model = build_sharded_model(cfg.model, 0, runtime)  # type: ignore[arg-type]
+    model = build_sharded_model(cfg.model, 0, runtime.mesh, runtime.device)  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(cfg.model.vocab_size, (4, 32), device="cuda", generator=None)
 

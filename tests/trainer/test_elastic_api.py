@@ -1,0 +1,135 @@
+"""The public API a user's own script is written against (``regroup.trainer.elastic``),
+run as users run it: a script of its own (tests/trainer/api_script.py) in a process of its
+own, alone, under torchrun, and under ``regroup-run`` with real etcd and real gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from regroup.demo.etcd_server import EtcdServer
+from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
+from tests.trainer.harness import check, step_losses
+from tests.trainer.test_resize import LOSS_RTOL
+
+SCRIPT = Path(__file__).with_name("api_script.py")
+
+
+def script(env: dict[str, str], *args: str, nproc: int = 0, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The script alone (``nproc`` 0) or under ``torchrun --standalone``."""
+    launcher = [] if not nproc else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    argv = [sys.executable, *launcher, str(SCRIPT), *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def final(output: str) -> dict[str, Any]:
+    (line,) = [line for line in output.splitlines() if line.startswith('{"final"')]
+    return json.loads(line)["final"]  # type: ignore[no-any-return]
+
+
+def test_a_script_resumes_its_model_scheduler_and_extras_from_the_committed_checkpoint(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    env = {**worker_env, "REGROUP_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    first = check(script(env, "--wrap", "plain", "--steps", "4"))
+    assert final(first.stdout) == {"step": 4, "lr": pytest.approx(0.05 / 5), "counter": 4}
+    second = check(script(env, "--wrap", "plain", "--steps", "7"))
+    assert '"event": "resumed"' in second.stderr and '"step": 4' in second.stderr
+    # The scheduler and the registered counter went on from step 4, not from a fresh start.
+    assert final(second.stdout) == {"step": 7, "lr": pytest.approx(0.05 / 8), "counter": 7}
+
+
+@pytest.mark.slow
+def test_the_global_batch_and_the_losses_do_not_depend_on_the_world_size_or_the_wrapper(
+    worker_env: dict[str, str],
+) -> None:
+    """One rank unwrapped, two ranks of DDP, three of FSDP2 with gradient accumulation: the
+    same samples per step, so the same loss at every step."""
+    alone = step_losses(check(script(worker_env, "--wrap", "plain", "--steps", "6")).stderr)
+    ddp = step_losses(check(script(worker_env, "--wrap", "ddp", "--steps", "6", nproc=2)).stderr)
+    fsdp = step_losses(check(script(worker_env, "--wrap", "fsdp", "--steps", "6", "--max-micro-batch", "2", nproc=3)).stderr)
+    assert sorted(alone) == sorted(ddp) == sorted(fsdp) == list(range(1, 7))
+    for step, loss in alone.items():
+        assert ddp[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+        assert fsdp[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+
+
+@pytest.mark.parametrize(
+    ("misuse", "says"),
+    [
+        ("init", "remove init_process_group() and use elastic.world()"),
+        ("two-runs", "one Run per world: create it once in the function that builds the model"),
+        ("stale-step", "step.micro_batches() is for the step being trained"),
+    ],
+)
+def test_misuse_is_a_clear_error_that_says_what_to_do(misuse: str, says: str, worker_env: dict[str, str]) -> None:
+    result = script(worker_env, "--misuse", misuse, "--steps", "3")
+    assert result.returncode != 0
+    assert "MisuseError" in result.stderr and says in result.stderr, result.stderr[-2000:]
+
+
+class ScriptJob(InPlaceJob):
+    """``InPlaceJob`` whose nodes run the API script instead of the built-in trainer."""
+
+    def __init__(self, *args: Any, script_args: list[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.script_args = script_args
+        self.env = {**self.env, "REGROUP_ETCD_ENDPOINT": self.endpoint, "REGROUP_CHECKPOINT_DIR": str(self.root / "ckpt")}
+
+    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str = "1:3") -> None:
+        argv = [
+            sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
+            *(["--standby"] if standby else []),
+            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
+            f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
+            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
+            str(SCRIPT), *self.script_args,
+        ]  # fmt: skip
+        with open(self.root / f"{node}.log", "ab") as log:
+            self.procs[node] = subprocess.Popen(
+                argv, env={**self.env, "NODE_NAME": node}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+
+@pytest.fixture
+def script_job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterator[ScriptJob]:
+    steps = ["--wrap", "fsdp", "--steps", "500", "--floor", "50ms", "--progress-interval", "100ms"]
+    job = ScriptJob(etcd.endpoint, tmp_path / "job", worker_env, script_args=steps)
+    try:
+        yield job
+    finally:
+        job.close()
+
+
+@pytest.mark.slow
+def test_a_script_keeps_its_scheduler_and_extras_across_in_place_reforms(script_job: ScriptJob) -> None:
+    """A loss without notice (snapshots) and a planned shrink (hand-off) rebuild the model in
+    memory; the scheduler and the registered counter come from a survivor, at the same step."""
+    job = script_job
+    job.expect(0, ["a", "b", "c"], "start")
+    for node in ("a", "b", "c"):
+        job.start(node)
+    job.await_progress("3 ranks training with snapshots", lambda p: p.world_size == 3 and p.extra.get("snapshot_step"))
+    pids = {node: job.workers(node) for node in ("a", "b")}
+
+    job.kill_node("c")
+    lost = job.await_progress("2 ranks after the loss", lambda p: p.world_size == 2 and p.step > p.resumed_from_step)
+    assert lost.reform_mode == "in-place" and "reshard" in lost.resume_phases, lost.resume_phases
+
+    job.claim_control()
+    ack = job.checkpoint(1)
+    job.reform(1, ["a"], cause="reclaim")
+    shrunk = job.await_progress("1 rank after the shrink", lambda p: p.world_size == 1)
+    assert (shrunk.resumed_from_step, shrunk.reform_mode) == (ack.step, "in-place")
+    assert "reshard" in shrunk.resume_phases, shrunk.resume_phases
+    assert job.procs["a"].wait(120) == 0, job.log("a")[-3000:]
+    assert pids["a"] == [] or job.events("a", "re-formed in place")
+    # Had either re-form started the scheduler or the counter afresh, they would trail the step.
+    assert final(job.log("a")) == {"step": 500, "lr": pytest.approx(0.05 / 501), "counter": 500}
+    wait_for(lambda: job.procs["b"].poll() is not None, 60, "b's agent exiting once left out")

@@ -1,0 +1,103 @@
+"""A run's settings: the keyword arguments of ``Run``, or the built-in trainer's config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+from regroup.trainer.config import (
+    CheckpointConfig,
+    EtcdConfig,
+    Fault,
+    ReformConfig,
+    SnapshotConfig,
+    TrainConfig,
+)
+from regroup.trainer.config_loading import config_from_dict
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a ``Run`` needs besides the user's ``build``. Made by ``Run``'s keyword
+    arguments and the environment (``options``), or from a trainer config (``from_config``)."""
+
+    global_batch: int
+    """Samples per optimizer step, at every world size (the per-rank share adapts)."""
+    max_steps: int
+    """The run ends after this many optimizer steps, counted across re-forms and restarts."""
+    max_micro_batch: int = 0
+    """Largest micro-batch per forward/backward; 0: the rank's whole share at once."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    etcd: EtcdConfig | None = None
+    reform: ReformConfig = field(default_factory=ReformConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    sample_log: str | None = None
+    """Folder for per-rank sample logs (one JSON line per step), for audits and tests."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    step_time_floor: timedelta = timedelta(0)
+    """Pad each step to at least this long (slow demos down)."""
+    log_every: int = 1
+    """Rank 0 logs a ``step`` event every N steps."""
+    faults: tuple[Fault, ...] = ()
+    """Injected failures, for tests of the recovery paths (env REGROUP_TRAINER_FAULTS)."""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> Options:
+        return cls(
+            global_batch=cfg.batch.global_batch_size,
+            max_steps=cfg.max_steps,
+            max_micro_batch=cfg.batch.max_micro_batch_size,
+            checkpoint=cfg.checkpoint,
+            etcd=cfg.etcd,
+            reform=cfg.reform,
+            snapshot=cfg.snapshot,
+            sample_log=cfg.data.sample_log,
+            device=cfg.device,
+            step_time_floor=cfg.step_time_floor,
+            log_every=cfg.log_every,
+            faults=cfg.faults,
+        )
+
+
+def options_from_env(env: Mapping[str, str]) -> Options:
+    """The defaults, completed from the environment (the job's etcd, the checkpoint folder)."""
+    return Options.from_config(config_from_dict({}, env))
+
+
+def options(
+    env: Mapping[str, str],
+    *,
+    global_batch: int,
+    max_steps: int,
+    max_micro_batch: int = 0,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    snapshot_every: int | Literal["auto"] = "auto",
+    device: Literal["auto", "cpu", "cuda"] = "auto",
+    log_every: int = 1,
+    **sections: Any,
+) -> Options:
+    """``Run``'s keyword arguments, completed from the environment (the job's etcd from
+    ``REGROUP_ETCD_ENDPOINT``, ``TORCHELASTIC_RUN_ID`` and ``POD_NAMESPACE``; the checkpoint
+    folder from ``REGROUP_CHECKPOINT_DIR``; ``REGROUP_SAMPLE_LOG``; ``REGROUP_TRAINER_FAULTS``)
+    and validated as the trainer's config is: a bad value raises ``ConfigError`` naming it.
+    ``sections``: any other section of the trainer config by name (``reform={...}``,
+    ``etcd={...}``, ``checkpoint={...}``), for what the keywords do not cover."""
+    tree: dict[str, Any] = {
+        "batch": {"global_batch_size": global_batch, "max_micro_batch_size": max_micro_batch},
+        "max_steps": max_steps,
+        "device": device,
+        "log_every": log_every,
+        "snapshot": {"every": snapshot_every},
+        **sections,
+    }
+    checkpoint = dict(tree.get("checkpoint") or {})
+    if checkpoint_dir is not None:
+        checkpoint["dir"] = str(checkpoint_dir)
+    if checkpoint_every:
+        checkpoint["every_steps"] = checkpoint_every
+    if checkpoint:
+        tree["checkpoint"] = checkpoint
+    return Options.from_config(config_from_dict(tree, env))
