@@ -365,7 +365,7 @@ class LocalCluster:
         command.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(command.log_path, "ab") as out:  # noqa: ASYNC230 - a local append-only log file
             pod.process = await asyncio.create_subprocess_exec(
-                *command.argv, env=command.env, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                *command.argv, env=command.env, cwd=command.cwd, stdout=out, stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
 

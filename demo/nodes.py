@@ -280,6 +280,10 @@ def make_launcher(
             "POD_NAMESPACE": NAMESPACE,
             "OTEL_SERVICE_NAME": f"regroup-trainer-{node}",
         }
-        return AgentCommand(argv=list(argv), env=node_env, log_path=layout.logs / f"{node}.log")
+        # A script's relative paths are its node's own (as on a cluster): one folder per node.
+        cwd = layout.root / "nodes" / node if worker else None
+        if cwd is not None:
+            cwd.mkdir(parents=True, exist_ok=True)
+        return AgentCommand(argv=list(argv), env=node_env, log_path=layout.logs / f"{node}.log", cwd=cwd)
 
     return launch

@@ -22,6 +22,8 @@ class AgentCommand:
     env: dict[str, str]
     log_path: Path
     """stdout and stderr of the agent and its workers, appended."""
+    cwd: Path | None = None
+    """Working directory of the agent and its workers (None: the demo's own)."""
 
 
 AgentLauncher = Callable[[str, str, int], AgentCommand]

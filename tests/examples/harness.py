@@ -1,0 +1,255 @@
+"""The converted example scripts under test: launching them, reading what they left behind.
+
+``ScriptJob`` is ``InPlaceJob`` (agents posing as nodes on a real etcd, the test playing the
+controller by writing its records) whose agents run ``regroup-run ... <script> <args>``: a
+user's own script on ``regroup.trainer.elastic`` instead of the built-in trainer. The
+script gets its job's etcd from the agent (``REGROUP_ETCD_ENDPOINT``), its checkpoint
+folder and sample log from ``REGROUP_CHECKPOINT_DIR`` and ``REGROUP_SAMPLE_LOG``. Every
+run works in a folder of its own (upstream's FSDP2 example keeps its own ``checkpoints/``
+in the working directory, and loads it at start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from regroup.records import CheckpointAck, CheckpointRequest
+from tests.conftest import REPO
+from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
+
+EXAMPLES = REPO / "examples"
+REGROUP_RUN = str(Path(sys.executable).with_name("regroup-run"))
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+@dataclass(frozen=True)
+class Example:
+    """One converted script and small arguments for the tests."""
+
+    name: str
+    script: Path
+    args: tuple[str, ...]
+    global_batch: int
+    """Samples per step: it must split over 1 and 2 ranks, the tests' world sizes."""
+    summed: bool = False
+    """The loss a rank reports is a sum over its share of the batch, not a mean (upstream's
+    ``model(x).sum()``): a step's loss is then the sum over the ranks, not their mean."""
+
+
+def script_env(base: dict[str, str], root: Path) -> dict[str, str]:
+    """The environment of a run of an example whose files go under ``root``."""
+    env = {k: v for k, v in base.items() if not k.startswith(("REGROUP_", "TORCHELASTIC_"))}
+    env.update(
+        REGROUP_SAMPLE_LOG=str(root / "samples"),
+        REGROUP_CHECKPOINT_DIR=str(root / "ckpt"),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+class StraightRun:
+    """The uninterrupted run to compare with: plain ``torchrun --standalone``, the same
+    script and arguments, in the background (it trains while the job under test waits on
+    its re-forms). ``close`` ends it if it still runs."""
+
+    def __init__(self, example: Example, nproc: int, root: Path, base_env: dict[str, str]) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        argv = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.1", str(example.script)]
+        with open(root / "torchrun.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [*argv, *example.args], cwd=root, env=script_env(base_env, root), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def wait(self, timeout: float = 300) -> Path:
+        """Wait for the run to end well; its sample log folder."""
+        code = self.proc.wait(timeout)
+        assert code == 0, (self.root / "torchrun.log").read_text(errors="replace")[-6000:]
+        return self.root / "samples"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and its workers: a session of their own
+            self.proc.wait()
+
+
+@dataclass
+class ScriptJob(InPlaceJob):
+    """Agents of one job running an example script under ``regroup-run``."""
+
+    example: Example | None = None
+    pids: WorkerPids | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.env = script_env(self.env, self.root)
+
+    def watch_workers(self, nodes: list[str]) -> WorkerPids:
+        """Watch the worker PIDs under these nodes' agents until the job is closed."""
+        self.pids = WorkerPids(self, nodes)
+        return self.pids
+
+    def close(self) -> None:
+        if self.pids is not None:
+            self.pids.close()
+        super().close()
+
+    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str = "1:2") -> None:
+        assert self.example is not None
+        argv = [
+            REGROUP_RUN, f"--in-place={in_place}", *(["--standby"] if standby else []),
+            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
+            f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
+            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
+            str(self.example.script), *self.example.args,
+        ]  # fmt: skip
+        with open(self.root / f"{node}.log", "ab") as log:
+            self.procs[node] = subprocess.Popen(
+                argv, cwd=self.root, env={**self.env, "NODE_NAME": node}, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def ask_checkpoint(self, generation: int, timeout: float = 240) -> None:
+        """Ask for a checkpoint with hold, without waiting: the world that reaches a step
+        boundary next (the one being formed, say) saves, acks and holds there."""
+        request = CheckpointRequest(generation=generation, deadline=time.time() + timeout, hold=True, reason="test")
+        self._put(self.keys.checkpoint, request.to_json())
+
+    def acked(self, generation: int, timeout: float = 180) -> CheckpointAck:
+        """The ack of checkpoint request ``generation``, once written."""
+
+        def ack() -> CheckpointAck | None:
+            raw = self._get(self.keys.ack(generation))
+            return None if raw is None else CheckpointAck.from_json(raw)
+
+        return wait_for(ack, timeout, f"the ack of checkpoint request {generation}")  # type: ignore[no-any-return]
+
+
+class WorkerPids:
+    """Every worker PID seen under each of some nodes' agents, watched in the background
+    for the life of the job: a worker restarted at any time shows up as a second PID, even
+    one restarted just before the job ends (a restarted worker lives for seconds)."""
+
+    def __init__(self, job: InPlaceJob, nodes: list[str], every: float = 0.2) -> None:
+        self.seen: dict[str, set[int]] = {node: set() for node in nodes}
+        self._job, self._every = job, every
+        self._stop = threading.Event()
+        self._look()
+        self._thread = threading.Thread(target=self._run, name="worker-pids", daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        for node, pids in self.seen.items():
+            pids.update(self._job.workers(node))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self._look()
+
+    def close(self) -> dict[str, set[int]]:
+        """Stop watching (idempotent); what was seen."""
+        self._stop.set()
+        self._thread.join()
+        return self.seen
+
+
+# ------------------------------------------------------------------ the sample logs
+
+
+@dataclass
+class World:
+    """What one world (a world size and a rendezvous round) logged: step -> rank -> record."""
+
+    size: int
+    round: int
+    start: float = float("inf")
+    steps: dict[int, dict[int, dict[str, object]]] = field(default_factory=dict)
+
+    def complete(self, step: int) -> bool:
+        return set(self.steps.get(step, {})) == set(range(self.size))
+
+
+def worlds(folder: Path) -> list[World]:
+    """Every world's steps from the ``samples-w<W>-r<R>.jsonl`` files, oldest world first."""
+    found: dict[tuple[int, int], World] = {}
+    for path in sorted(folder.glob("samples-w*-r*.jsonl")):
+        size, rank = (int(part[1:]) for part in path.stem.removeprefix("samples-").split("-"))
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by SIGKILL
+            world = found.setdefault((size, int(record["round"])), World(size, int(record["round"])))
+            world.steps.setdefault(int(record["step"]), {})[rank] = record
+            world.start = min(world.start, float(record["t"]))
+    return sorted(found.values(), key=lambda w: w.start)
+
+
+def steps_done(folder: Path, size: int) -> list[int]:
+    """Steps that some rank of a world of ``size`` ranks completed."""
+    return [step for world in worlds(folder) if world.size == size for step in world.steps]
+
+
+def kept_history(folder: Path) -> dict[int, World]:
+    """The committed trajectory: replaying the worlds in the order they started, each one
+    replaces every step from its first one on (a step redone after a loss counts once)."""
+    kept: dict[int, World] = {}
+    for world in worlds(folder):
+        first = min(world.steps)
+        for step in [s for s in kept if s >= first]:
+            del kept[step]
+        kept.update({step: world for step in world.steps})
+    return kept
+
+
+def trained(folder: Path, max_steps: int, global_batch: int, summed: bool = False) -> dict[int, float]:
+    """Check that the kept history trains steps 1..max_steps, each by every rank of its
+    world, and every sample id in [0, max_steps * global_batch) exactly once; return each
+    step's loss: the mean of the ranks' losses, as the step boundary agrees it (``summed``:
+    their sum, for losses that are sums over the rank's samples)."""
+    kept = kept_history(folder)
+    assert sorted(kept) == list(range(1, max_steps + 1)), f"steps kept: {sorted(kept)}"
+    ids: list[int] = []
+    losses = {}
+    for step, world in sorted(kept.items()):
+        assert world.complete(step), f"step {step} of world {world.size}/{world.round} lacks ranks"
+        records = [world.steps[step][rank] for rank in range(world.size)]
+        for record in records:
+            ids += record["ids"]  # type: ignore[arg-type]
+        losses[step] = sum(float(r["loss"]) for r in records) / (1 if summed else world.size)  # type: ignore[arg-type]
+    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
+    assert not twice, f"sample ids trained twice: {twice[:10]}"
+    assert sorted(ids) == list(range(max_steps * global_batch)), "sample ids skipped"
+    return losses
+
+
+# ------------------------------------------------------------------ the diffs
+
+
+def diff_lines(upstream: Path, converted: Path) -> tuple[int, int]:
+    """(lines removed, lines added) of ``diff upstream converted``."""
+    out = subprocess.run(["diff", str(upstream), str(converted)], capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    return sum(1 for l in lines if l.startswith("<")), sum(1 for l in lines if l.startswith(">"))
+
+
+def unified_diff(upstream: Path, converted: Path) -> str:
+    """``diff -u`` run from the example's folder, without the two time-stamped header lines."""
+    out = subprocess.run(
+        ["diff", "-u", str(upstream.relative_to(converted.parent)), converted.name],
+        cwd=converted.parent,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return "".join(out.splitlines(keepends=True)[2:])

@@ -1,0 +1,143 @@
+"""The converted upstream scripts survive re-forms in place, as the built-in trainer does.
+
+Real etcd, real ``regroup-run`` agents posing as two nodes, real gloo; the test plays the
+controller by writing its records. For each example: a node SIGKILLed mid-training costs
+at most one step (in-memory snapshots), the job grows back to two nodes and then shrinks
+to one on a planned reclaim (checkpoint request with hold, ack, re-form) losing no step,
+the survivor keeps its process throughout, and the kept history trains every sample
+exactly once with the per-step losses of an uninterrupted ``torchrun`` run of the script
+(run beside the job, while it waits on its re-forms).
+
+The world sizes are 2 and 1 (upstream's global batch of 32 splits over them). Training runs free
+only until the node is killed: each later checkpoint request is written before the world
+that answers it forms, so that world trains one step, then saves and holds, and a busy
+machine cannot use up the steps before the test reaches its next re-form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from regroup.demo.etcd_server import EtcdServer
+from tests.examples.harness import (
+    EXAMPLES,
+    Example,
+    ScriptJob,
+    StraightRun,
+    steps_done,
+    trained,
+    worlds,
+)
+from tests.rendezvous.inplace_job import wait_for
+from tests.trainer.test_resize import LOSS_RTOL
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+KILL_AFTER = 3
+"""Steps every rank of the first world completes before a node is killed (snapshots every
+step start after the first: the first optimizer step makes the optimizer's state)."""
+
+FSDP2 = Example(
+    name="fsdp2",
+    script=EXAMPLES / "fsdp2" / "train.py",
+    args=("--steps", str(STEPS)),
+    global_batch=32,  # upstream's
+    summed=True,  # upstream's loss: model(x).sum()
+)
+HF_LLAMA = Example(
+    name="hf_llama",
+    script=EXAMPLES / "hf_llama" / "train.py",
+    args=(
+        "--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2",
+        "--seq-len", "32", "--vocab", "32", "--hidden", "64", "--layers", "2", "--lr", "3e-3",
+    ),  # fmt: skip
+    global_batch=8,
+)
+
+
+@pytest.fixture(params=[FSDP2, HF_LLAMA], ids=lambda e: e.name)
+def example(request: pytest.FixtureRequest) -> Example:
+    if request.param is HF_LLAMA:
+        pytest.importorskip("transformers")
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def straight(tmp_path: Path, worker_env: dict[str, str], example: Example) -> Iterator[StraightRun]:
+    """The uninterrupted run on 2 ranks, started first: it trains while the job waits."""
+    running = StraightRun(example, 2, tmp_path / "straight", worker_env)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture
+def job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str], example: Example) -> Iterator[ScriptJob]:
+    running = ScriptJob(etcd.endpoint, tmp_path / "job", worker_env, example=example)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def _all_ranks_reached(folder: Path, size: int, step: int) -> bool:
+    return any(w.size == size and w.complete(step) for w in worlds(folder))
+
+
+@pytest.mark.timeout(600)
+def test_a_loss_a_grow_and_a_planned_shrink_follow_the_uninterrupted_run(
+    example: Example, straight: StraightRun, job: ScriptJob
+) -> None:
+    samples = job.root / "samples"
+    job.expect(0, ["a", "b"], "start")  # the first world holds both, like the run compared with
+    for node in ("a", "b"):
+        job.start(node)
+    wait_for(lambda: _all_ranks_reached(samples, 2, KILL_AFTER), 180, f"2 ranks past step {KILL_AFTER}")
+    pids = {node: job.workers(node) for node in ("a", "b")}
+    assert all(len(p) == 1 for p in pids.values()), pids
+    watch = job.watch_workers(["a"])  # the survivor keeps its process throughout
+
+    # A node lost without notice: the survivor rebuilds from the snapshots, in place. The
+    # world it forms trains one step, then answers the checkpoint request and holds.
+    job.kill_node("b")
+    job.ask_checkpoint(1)
+    lost = job.await_progress(
+        "1 rank training after the loss", lambda p: p.world_size == 1 and p.step > p.resumed_from_step, timeout=120
+    )
+    reached = max(steps_done(samples, 2))
+    assert lost.reform_mode == "in-place"
+    assert "reshard" in lost.resume_phases and "load" not in lost.resume_phases, lost.resume_phases
+    assert lost.resumed_from_step >= reached - 1, f"reached {reached}, resumed from {lost.resumed_from_step}"
+
+    # The controller takes over; b comes back and the job grows to 2 at the held boundary.
+    job.claim_control()
+    ack = job.acked(1)
+    job.start("b")
+    wait_for(lambda: "b" in job.members(), 120, "b registering as a joiner")
+    job.ask_checkpoint(2)
+    job.reform(1, ["a", "b"], cause="grow")
+    grown = job.await_progress("2 ranks training", lambda p: p.world_size == 2 and p.step > ack.step)
+    assert (grown.resumed_from_step, grown.reform_mode) == (ack.step, "in-place")
+
+    # A planned shrink (a reclaim notice on b's node): checkpoint with hold, ack, re-form.
+    ack = job.acked(2)
+    assert ack.step < STEPS, "the run must still have steps to train after the shrink"
+    job.reform(2, ["a"], cause="reclaim")
+    assert job.procs["b"].wait(60) == 0, "the node left out of the round exits cleanly"
+    assert job.procs["a"].wait(240) == 0, job.log("a")[-3000:]
+    assert watch.close() == {"a": set(pids["a"])}, "the survivor's worker was restarted"
+    shrunk = job.progress()
+    assert shrunk is not None and (shrunk.step, shrunk.world_size) == (STEPS, 1)
+    assert (shrunk.resumed_from_step, shrunk.reform_mode) == (ack.step, "in-place")  # 0 steps lost
+    assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
+    got = trained(samples, STEPS, example.global_batch, example.summed)
+
+    expected = trained(straight.wait(), STEPS, example.global_batch, example.summed)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
+    assert expected[STEPS] < expected[1] - 0.1, "the model should learn, or the comparison means little"
