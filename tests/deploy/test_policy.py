@@ -3,6 +3,8 @@ etcd off GPU nodes and consistent with its size, worker pods wired to regroup.""
 
 from __future__ import annotations
 
+import importlib.util
+
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -340,7 +342,7 @@ def _file(where: str) -> str:
 
 def _runs_the_trainer(container: dict[str, Any]) -> bool:
     words = container.get("command", []) + container.get("args", [])
-    return any(flag == "-m" and module == "trainer" for flag, module in zip(words, words[1:]))
+    return any(flag == "-m" and module == "regroup.trainer" for flag, module in zip(words, words[1:]))
 
 
 def _example_containers() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -417,8 +419,18 @@ def test_every_trainer_launching_example_uses_regroup_run_with_standby(where: st
     # The launcher's own parser takes the flags: --standby before the script, in place on.
     parsed = build_parser().parse_args(container["args"])
     assert parsed.standby is True and parsed.in_place == "auto"
-    assert parsed.module is True and parsed.training_script == "trainer"
+    assert parsed.module is True and parsed.training_script == "regroup.trainer"
     assert "--standby" not in parsed.training_script_args
+
+
+@pytest.mark.parametrize(("where", "container"), EXAMPLE_CONTAINERS, ids=[w for w, _ in EXAMPLE_CONTAINERS])
+def test_every_module_an_example_runs_is_one_the_distribution_installs(where: str, container: dict[str, Any]) -> None:
+    """One import name: ``-m trainer`` (the repository's folder) does not exist once installed."""
+    words = container.get("command", []) + container.get("args", [])
+    for flag, module in zip(words, words[1:]):
+        if flag == "-m":
+            assert module.split(".")[0] in ("regroup", "torch"), f"{where}: -m {module}"
+            assert importlib.util.find_spec(module) is not None, f"{where}: -m {module}: no such module"
 
 
 @pytest.mark.parametrize(("where", "container"), EXAMPLE_CONTAINERS, ids=[w for w, _ in EXAMPLE_CONTAINERS])
@@ -450,7 +462,7 @@ def test_checkpoint_claim_is_read_write_many() -> None:
 
 
 # Training jobs (the smoke job runs regroup.trainer.smoke, which takes no config).
-TRAINERS = [(w, t) for w, t in WORKERS if "trainer" in t["spec"]["containers"][0]["args"]]
+TRAINERS = [(w, t) for w, t in WORKERS if "regroup.trainer" in t["spec"]["containers"][0]["args"]]
 
 
 @pytest.mark.parametrize(("where", "template"), TRAINERS, ids=[w for w, _ in TRAINERS])
