@@ -1,5 +1,5 @@
-"""``regroup demo --script``: the short scenario, played with the real controller against a
-script nobody here wrote (PyTorch's FSDP2 example, converted: examples/fsdp2/train.py)
+"""``regroup demo --script``: the short scenario's first 52 s (a reclaim, an abrupt loss and
+the grow back), played with the real controller against a script nobody here wrote (PyTorch's FSDP2 example, converted: examples/fsdp2/train.py)
 instead of the built-in trainer.
 
 The script reads everything from the environment the demo sets for every worker
@@ -38,7 +38,7 @@ def script_command() -> list[str]:
 def script_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunData, str]:
     out = tmp_path_factory.mktemp("demo-script")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "regroup.cli", "demo", "--scenario", "short", "--out", str(out), "--name", "run"]
+    argv = [sys.executable, "-m", "regroup.cli", "demo", "--scenario", "short", "--duration", "52s", "--out", str(out), "--name", "run"]
     demo = subprocess.Popen(
         [*argv, "--no-live", *script_command()],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,

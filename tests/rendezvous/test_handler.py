@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from regroup.etcd import EtcdSettings, connect, enable_auth
+from regroup.etcd import EtcdSettings, EtcdUnavailable, connect, enable_auth
 from regroup.demo.etcd_server import EtcdServer, free_port, make_tls_files
 from regroup.keys import JobKeys
 from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
@@ -76,7 +76,18 @@ def agents(etcd: EtcdServer) -> Iterator[Agents]:
 
 def etcd_call(endpoint: str, action: Callable[[Any], Any], **settings: Any) -> Any:
     async def run() -> Any:
-        client = await connect(EtcdSettings.from_endpoint_string(endpoint, **settings))
+        # Right after an etcd restart, gRPC may still back off from the refused connections the
+        # agents' channels met while it was down (subchannels are shared within a process):
+        # connect again until etcd answers, as the agents do, within a bound.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client = await connect(EtcdSettings.from_endpoint_string(endpoint, **settings))
+                break
+            except EtcdUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
         try:
             return await action(client)
         finally:
