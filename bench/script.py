@@ -1,7 +1,8 @@
 """What regroup's public API costs a user's script: PyTorch's FSDP2 example with and without it.
 
 ``python -m bench script [--quick] [--rounds N] [--steps N] [--warmup N] [--global-batch G]
-[--profile DIR] [--json PATH]``
+[--also-synced-anchor] [--also-without-snapshots] [--max-others CORES] [--profile DIR]
+[--json PATH]``
 
 Two variants of the same training, at the demo's scale (4 ranks, one per node), alternated
 in one run (without, with, without, with, ...):
@@ -25,8 +26,17 @@ main thread and the agents' (plus etcd's) CPU are shown too. The table gives eac
 median over rounds, the ratio with/without, and the spread: each variant's range over
 rounds and the range of the per-round ratios (each round's pair ran back to back).
 
-``--profile DIR`` then runs one more round of each under cProfile (rank 0's main thread;
-``bench/_profiled.py``) and prints regroup's own functions by cumulative time per step.
+The machine's busy CPU (``/proc/stat``) less the benchmark's own processes says what other
+processes took during each window (``others_cores``); ``--max-others`` runs a round again
+(up to 3 times) when that is above a limit. Each run's first-step loss (mean over ranks) is
+compared across runs: the variants must train the same thing.
+
+``--also-synced-anchor`` adds a second anchor to each round: the plain loop that also
+all-reduces its loss every step (one small collective per step, as the API's boundary).
+``--also-without-snapshots`` adds the example with ``snapshot_every=0``. ``--profile DIR``
+then runs one more round of the plain loop and the API under cProfile (rank 0's main
+thread, CPU clock; ``bench/_profiled.py``, which also records every thread's CPU) and prints
+regroup's own per-step functions and rank 0's CPU per thread.
 """
 
 from __future__ import annotations
