@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from regroup.demo.processes import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "fsdp2" / "train.py"
@@ -412,11 +413,9 @@ def base_env() -> dict[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launcher this bench started and everything under it (``kill_tree``)."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(proc.pid)
         proc.wait()
 
 
