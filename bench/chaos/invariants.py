@@ -144,6 +144,8 @@ class Incarnation:
     """step -> when its first rank logged it."""
     repeats: list[tuple[int, int]] = field(default_factory=list)
     """(step, rank) logged twice within this world."""
+    losses: dict[int, dict[int, float]] = field(default_factory=dict)
+    """step -> rank -> that rank's own loss, where the log carries one."""
 
     def complete(self, step: int) -> bool:
         return set(self.steps.get(step, {})) == set(range(self.world_size))
@@ -166,6 +168,8 @@ def read_samples(folder: Path) -> list[Incarnation]:
             if rank in ranks:
                 world.repeats.append((step, rank))
             ranks[rank] = list(record["ids"])
+            if "loss" in record:
+                world.losses.setdefault(step, {})[rank] = float(record["loss"])
             world.times[step] = min(world.times.get(step, t), t)
             world.start, world.end = min(world.start, t), max(world.end, t)
     return sorted(worlds.values(), key=lambda w: w.start)

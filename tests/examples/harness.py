@@ -11,17 +11,16 @@ in the working directory, and loads it at start).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench.chaos.invariants import Incarnation, kept_history, read_samples
 from regroup.records import CheckpointAck, CheckpointRequest
 from tests.conftest import REPO
 from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
@@ -167,71 +166,29 @@ class WorkerPids:
 # ------------------------------------------------------------------ the sample logs
 
 
-@dataclass
-class World:
-    """What one world (a world size and a rendezvous round) logged: step -> rank -> record."""
-
-    size: int
-    round: int
-    start: float = float("inf")
-    steps: dict[int, dict[int, dict[str, object]]] = field(default_factory=dict)
-
-    def complete(self, step: int) -> bool:
-        return set(self.steps.get(step, {})) == set(range(self.size))
-
-
-def worlds(folder: Path) -> list[World]:
+def worlds(folder: Path) -> list[Incarnation]:
     """Every world's steps from the ``samples-w<W>-r<R>.jsonl`` files, oldest world first."""
-    found: dict[tuple[int, int], World] = {}
-    for path in sorted(folder.glob("samples-w*-r*.jsonl")):
-        size, rank = (int(part[1:]) for part in path.stem.removeprefix("samples-").split("-"))
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by SIGKILL
-            world = found.setdefault((size, int(record["round"])), World(size, int(record["round"])))
-            world.steps.setdefault(int(record["step"]), {})[rank] = record
-            world.start = min(world.start, float(record["t"]))
-    return sorted(found.values(), key=lambda w: w.start)
+    return read_samples(folder)
 
 
 def steps_done(folder: Path, size: int) -> list[int]:
     """Steps that some rank of a world of ``size`` ranks completed."""
-    return [step for world in worlds(folder) if world.size == size for step in world.steps]
-
-
-def kept_history(folder: Path) -> dict[int, World]:
-    """The committed trajectory: replaying the worlds in the order they started, each one
-    replaces every step from its first one on (a step redone after a loss counts once)."""
-    kept: dict[int, World] = {}
-    for world in worlds(folder):
-        first = min(world.steps)
-        for step in [s for s in kept if s >= first]:
-            del kept[step]
-        kept.update({step: world for step in world.steps})
-    return kept
+    return [step for world in worlds(folder) if world.world_size == size for step in world.steps]
 
 
 def trained(folder: Path, max_steps: int, global_batch: int, summed: bool = False) -> dict[int, float]:
-    """Check that the kept history trains steps 1..max_steps, each by every rank of its
-    world, and every sample id in [0, max_steps * global_batch) exactly once; return each
-    step's loss: the mean of the ranks' losses, as the step boundary agrees it (``summed``:
-    their sum, for losses that are sums over the rank's samples)."""
-    kept = kept_history(folder)
-    assert sorted(kept) == list(range(1, max_steps + 1)), f"steps kept: {sorted(kept)}"
-    ids: list[int] = []
-    losses = {}
-    for step, world in sorted(kept.items()):
-        assert world.complete(step), f"step {step} of world {world.size}/{world.round} lacks ranks"
-        records = [world.steps[step][rank] for rank in range(world.size)]
-        for record in records:
-            ids += record["ids"]  # type: ignore[arg-type]
-        losses[step] = sum(float(r["loss"]) for r in records) / (1 if summed else world.size)  # type: ignore[arg-type]
-    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
-    assert not twice, f"sample ids trained twice: {twice[:10]}"
-    assert sorted(ids) == list(range(max_steps * global_batch)), "sample ids skipped"
-    return losses
+    """Check, as the fault campaign does (``kept_history``), that the kept history trains
+    steps 1..max_steps, each by every rank of its world, and every sample id in
+    [0, max_steps * global_batch) exactly once; return each step's loss: the mean of the
+    ranks' losses, as the step boundary agrees it (``summed``: their sum, for losses that
+    are sums over the rank's samples)."""
+    history = kept_history(worlds(folder), global_batch)
+    assert not history.findings, [finding.message for finding in history.findings]
+    assert history.last_step == max_steps, f"steps kept: {sorted(history.kept)}"
+    return {
+        step: sum(world.losses[step].values()) / (1 if summed else world.world_size)
+        for step, world in sorted(history.kept.items())
+    }
 
 
 # ------------------------------------------------------------------ the diffs

@@ -86,7 +86,7 @@ def job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str], example: E
 
 
 def _all_ranks_reached(folder: Path, size: int, step: int) -> bool:
-    return any(w.size == size and w.complete(step) for w in worlds(folder))
+    return any(w.world_size == size and w.complete(step) for w in worlds(folder))
 
 
 @pytest.mark.timeout(600)
