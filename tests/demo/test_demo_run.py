@@ -5,10 +5,6 @@ the re-form spans and the cluster actions, never from log text."""
 from __future__ import annotations
 
 import itertools
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -21,27 +17,15 @@ from regroup.demo.analysis import (
     resumed_from_memory,
 )
 from regroup.trace_report import reforms_from_spans
+from tests.demo.demo_runs import DEMO_TIMEOUT, play_demo
 
-# About 2 minutes on an idle 2-core machine; a loaded one stretches the re-forms, and the
-# script waits for each to finish, so the bound is generous.
-DEMO_TIMEOUT = 480
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(DEMO_TIMEOUT + 90)]
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory: pytest.TempPathFactory) -> RunData:
     out = tmp_path_factory.mktemp("demo")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "regroup.cli", "demo", "--scenario", "short", "--out", str(out), "--name", "run"]
-    demo = subprocess.Popen([*argv, "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, stderr = demo.communicate(timeout=DEMO_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # SIGTERM lets the demo stop its agents, trainers and etcd before it exits.
-        demo.send_signal(signal.SIGTERM)
-        stdout, stderr = demo.communicate(timeout=60)
-        pytest.fail(f"regroup demo did not finish within {DEMO_TIMEOUT}s: {stdout[-2000:]}{stderr[-2000:]}")
-    assert demo.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout = play_demo(out, "--scenario", "short")
     run_dir = out / "run"
     assert (run_dir / "report.html").is_file()
     assert f"report: {run_dir.resolve() / 'report.html'}" in stdout

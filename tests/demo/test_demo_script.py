@@ -9,19 +9,14 @@ read from the run's records, never from log text.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from regroup.demo.analysis import RunData, load_run
 from regroup.trace_report import reforms_from_spans
+from tests.demo.demo_runs import DEMO_TIMEOUT, play_demo
 from tests.conftest import REPO
 
-DEMO_TIMEOUT = 480
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(DEMO_TIMEOUT + 90)]
 
 
@@ -37,20 +32,7 @@ def script_command() -> list[str]:
 @pytest.fixture(scope="module")
 def script_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunData, str]:
     out = tmp_path_factory.mktemp("demo-script")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "regroup.cli", "demo", "--scenario", "short", "--duration", "52s", "--out", str(out), "--name", "run"]
-    demo = subprocess.Popen(
-        [*argv, "--no-live", *script_command()],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
-    try:
-        stdout, stderr = demo.communicate(timeout=DEMO_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # SIGTERM lets the demo stop its agents, trainers and etcd before it exits.
-        demo.send_signal(signal.SIGTERM)
-        stdout, stderr = demo.communicate(timeout=60)
-        pytest.fail(f"regroup demo --script did not finish within {DEMO_TIMEOUT}s: {stdout[-2000:]}{stderr[-2000:]}")
-    assert demo.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout = play_demo(out, "--scenario", "short", "--duration", "52s", *script_command())
     return load_run(out / "run"), stdout
 
 

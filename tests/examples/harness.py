@@ -23,10 +23,9 @@ from pathlib import Path
 from bench.chaos.invariants import Incarnation, kept_history, read_samples
 from regroup.records import CheckpointAck, CheckpointRequest
 from tests.conftest import REPO
-from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
+from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 
 EXAMPLES = REPO / "examples"
-REGROUP_RUN = str(Path(sys.executable).with_name("regroup-run"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
@@ -92,6 +91,7 @@ class ScriptJob(InPlaceJob):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.cwd = self.root  # upstream's own Checkpointer writes checkpoints/ in the cwd
         self.env = script_env(self.env, self.root)
 
     def watch_workers(self, nodes: list[str]) -> WorkerPids:
@@ -104,20 +104,11 @@ class ScriptJob(InPlaceJob):
             self.pids.close()
         super().close()
 
-    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str = "1:2") -> None:
+    nnodes = "1:2"
+
+    def worker(self) -> list[str]:
         assert self.example is not None
-        argv = [
-            REGROUP_RUN, f"--in-place={in_place}", *(["--standby"] if standby else []),
-            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
-            f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
-            str(self.example.script), *self.example.args,
-        ]  # fmt: skip
-        with open(self.root / f"{node}.log", "ab") as log:
-            self.procs[node] = subprocess.Popen(
-                argv, cwd=self.root, env={**self.env, "NODE_NAME": node}, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        return [str(self.example.script), *self.example.args]
 
     def ask_checkpoint(self, generation: int, timeout: float = 240) -> None:
         """Ask for a checkpoint with hold, without waiting: the world that reaches a step

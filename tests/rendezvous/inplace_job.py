@@ -78,19 +78,28 @@ class InPlaceJob:
 
     # -- agents ------------------------------------------------------------------------------
 
-    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str = "2:3") -> None:
+    max_restarts = 3
+    nnodes = "2:3"
+    cwd: Path | None = None
+    """Working directory of the agents (None: the test's)."""
+
+    def worker(self) -> list[str]:
+        """What each agent runs on its ranks (the built-in trainer here; a script in subclasses)."""
+        return ["-m", "regroup.trainer", "--config", str(self.config)]
+
+    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str | None = None) -> None:
         argv = [
             sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
             *(["--standby"] if standby else []),
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
-            f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
-            "-m", "regroup.trainer", "--config", str(self.config),
+            f"--nnodes={nnodes or self.nnodes}", "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
+            "--monitor-interval=0.1", "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120",
+            "--local-addr=127.0.0.1", *self.worker(),
         ]  # fmt: skip
         env = {**self.env, "NODE_NAME": node}
         with open(self.root / f"{node}.log", "ab") as log:
             self.procs[node] = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
     def workers(self, node: str) -> list[int]:

@@ -10,8 +10,6 @@ the test plays the controller by writing its etcd records.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ import pytest
 from regroup.demo.etcd_server import EtcdServer
 from regroup.rendezvous.inplace.agent import HANDOFF_TIMEOUT_S
 from regroup.rendezvous.inplace.channel import WAIT_EXPIRED
-from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
+from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,21 +27,11 @@ pytestmark = pytest.mark.slow
 class OptInJob(InPlaceJob):
     """Agents of one job whose workers run tests/rendezvous/optin_worker.py."""
 
-    def start(self, node: str, *, in_place: str = "auto", standby: bool = False, nnodes: str = "2:3") -> None:
+    max_restarts = 0
+
+    def worker(self) -> list[str]:
         (self.root / "steps").mkdir(exist_ok=True)
-        argv = [
-            sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
-            *(["--standby"] if standby else []),
-            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
-            f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.1",
-            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
-            "-m", "tests.rendezvous.optin_worker", str(self.root / "steps"),
-        ]  # fmt: skip
-        with open(self.root / f"{node}.log", "ab") as log:
-            self.procs[node] = subprocess.Popen(
-                argv, env={**self.env, "NODE_NAME": node}, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        return ["-m", "tests.rendezvous.optin_worker", str(self.root / "steps")]
 
     def steps(self, node: str) -> list[dict[str, Any]]:
         path = self.root / "steps" / f"steps-{node}-0.jsonl"

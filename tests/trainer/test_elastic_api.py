@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from regroup.demo.etcd_server import EtcdServer
-from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
+from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 from tests.trainer.harness import check, step_losses
 from tests.trainer.test_resize import LOSS_RTOL
 
@@ -82,19 +82,10 @@ class ScriptJob(InPlaceJob):
         self.script_args = script_args
         self.env = {**self.env, "REGROUP_ETCD_ENDPOINT": self.endpoint, "REGROUP_CHECKPOINT_DIR": str(self.root / "ckpt")}
 
-    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str = "1:3") -> None:
-        argv = [
-            sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
-            *(["--standby"] if standby else []),
-            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
-            f"--nnodes={nnodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120", "--local-addr=127.0.0.1",
-            str(SCRIPT), *self.script_args,
-        ]  # fmt: skip
-        with open(self.root / f"{node}.log", "ab") as log:
-            self.procs[node] = subprocess.Popen(
-                argv, env={**self.env, "NODE_NAME": node}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+    nnodes = "1:3"
+
+    def worker(self) -> list[str]:
+        return [str(SCRIPT), *self.script_args]
 
 
 @pytest.fixture
