@@ -161,6 +161,13 @@ class MemberRecord(Record):
     not_before: float = 0.0
     """Unix time before which this member should not be admitted to a round: it is on
     probation after its own workers failed, or its restarted workers are still starting."""
+    leaving_since: float = 0.0
+    """Unix time the agent was told to stop (SIGTERM: a pod deletion, an eviction, a drain);
+    0 while it is not leaving. A leaving member asks for a planned leave: hand its state
+    over at the next agreed step boundary, then go."""
+    leaving_by: float = 0.0
+    """Unix time by which the leaving agent must be gone (its grace period's end as the
+    agent knows it); 0 while it is not leaving."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,11 @@ class Progress(Record):
     resume_phases: dict[str, float] = field(default_factory=dict)
     """Seconds rank 0 spent resuming this world, by phase among ``RESUME_PHASES``; set once
     the first step at the new size completed."""
+
+    last_step: int = -1
+    """The newest step any rank of the worlds before this one completed, as the trainers
+    know it (the survivors' own last step, or the newest progress record they found on
+    start): ``last_step - resumed_from_step`` steps were redone. -1: unknown."""
 
     RESUME_PHASES: ClassVar[tuple[str, ...]] = ("startup", "process_group", "reshard", "load", "first_step")
     """In the order they happen. ``startup`` (restart only): process start until the process
