@@ -36,10 +36,12 @@ log = structlog.get_logger("regroup.trainer.control")
 _RETRY = 0.5
 
 
-def pending_generation(request: CheckpointRequest | None, now: float, answered: int) -> int:
+def pending_generation(request: CheckpointRequest | None, now: float, answered: int, reformed: int = 0) -> int:
     """The generation to checkpoint for at this boundary, or 0 for none: a request is
-    honoured once, and not after its deadline."""
-    if request is None or request.generation <= answered or now >= request.deadline:
+    honoured once, and not after its deadline, and never once its plan has asked for the
+    re-form (``reformed``: the newest ``control/reform`` generation): a plan that fell back
+    to the unplanned path re-forms without its checkpoint, and nothing may hold on it then."""
+    if request is None or request.generation <= max(answered, reformed) or now >= request.deadline:
         return 0
     return request.generation
 
@@ -66,9 +68,13 @@ class JobChannel:
         self._request: CheckpointRequest | None = None
         self._client: Any = None
         self._watch_task: asyncio.Task[None] | None = None
+        self._reform_task: asyncio.Task[None] | None = None
         self.answered = 0
         """Highest generation already acked (read at start, so a restart does not re-answer)."""
         self.latest_reform: ReformRequest | None = None
+        """The newest ``control/reform`` (watched): its generation retires older requests."""
+        self.previous_progress: Progress | None = None
+        """The ``progress`` record found on start (the world before this process's)."""
         self._progress_sent = 0
         """Progress writes handed to the loop (a sequence number per call)."""
         self._progress_done = 0
@@ -89,16 +95,41 @@ class JobChannel:
             found = decode(kv.key.decode(), None, self.keys.prefix)
             if found is not None and found.kind is KeyKind.ACK and found.params["generation"].isdigit():
                 self.answered = max(self.answered, int(found.params["generation"]))
-        reform = await self._client.get(self.keys.reform.encode())
-        if reform is not None:
+        progress = await self._client.get(self.keys.progress.encode())
+        if progress is not None:
             try:
-                self.latest_reform = ReformRequest.from_json(reform.value)
+                self.previous_progress = Progress.from_json(progress.value)
             except RecordError as exc:
-                log.warning("ignoring malformed reform request", error=str(exc))
+                log.warning("ignoring malformed progress record", error=str(exc))
+        reforms = Reflector(self._client, self.keys.reform, self._on_reform, prefix=False, name="reform-request")
+        await reforms.list()
         requests = Reflector(self._client, self.keys.checkpoint, self._on_request, prefix=False, name="checkpoint-request")
         await requests.list()
-        # Ends only when cancelled; were it to crash, the loop thread logs and records it at once.
+        # Each ends only when cancelled; were one to crash, the loop thread logs and records it at once.
+        self._reform_task = self._loop.supervise(asyncio.create_task(reforms.run(), name="reform-request-watch"))
         self._watch_task = self._loop.supervise(asyncio.create_task(requests.run(), name="checkpoint-request-watch"))
+
+    def _on_reform(self, event: ReflectorEvent) -> None:
+        if isinstance(event, Listed):
+            put = event.items[0] if event.items else None
+        else:
+            put = event if isinstance(event, Put) else None
+        if put is None or not put.value:
+            return  # a deleted reform request retires nothing more than it did
+        try:
+            reform = ReformRequest.from_json(put.value)
+        except RecordError as exc:
+            log.warning("ignoring malformed reform request", error=str(exc))
+            return
+        with self._lock:
+            if self.latest_reform is None or reform.generation >= self.latest_reform.generation:
+                self.latest_reform = reform
+
+    @property
+    def reformed(self) -> int:
+        """The newest re-form generation requested (0: none)."""
+        with self._lock:
+            return self.latest_reform.generation if self.latest_reform is not None else 0
 
     def _on_request(self, event: ReflectorEvent) -> None:
         if isinstance(event, Listed):
@@ -177,10 +208,12 @@ class JobChannel:
             return
 
         async def stop() -> None:
-            if self._watch_task is not None:
-                self._watch_task.cancel()
-                # Waited for, not gathered: its outcome is the supervisor's to report.
-                await asyncio.wait([self._watch_task])
+            tasks = [t for t in (self._watch_task, self._reform_task) if t is not None]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                # Waited for, not gathered: their outcome is the supervisor's to report.
+                await asyncio.wait(tasks)
             if self._client is not None:
                 await self._client.close()
 

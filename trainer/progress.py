@@ -64,6 +64,7 @@ class ProgressReports:
     tokens_per_s: float
     samples_per_s: float
     resumed_from: int
+    last_step: int
     _last_progress_time: float
 
     def progress(self) -> Progress:
@@ -77,6 +78,7 @@ class ProgressReports:
             time=time.time(),
             tokens_per_s=self.tokens_per_s,
             resumed_from_step=self.resumed_from,
+            last_step=self.last_step,
             restart_count=self.info.restart_count,
             round=self.world.round if self.world is not None else 0,
             reform_mode=self.change.mode,

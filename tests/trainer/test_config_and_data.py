@@ -96,6 +96,15 @@ def test_checkpoint_request_is_honoured_once_and_not_after_its_deadline() -> Non
     assert pending_generation(request, 100.0, answered=0) == 0
 
 
+def test_a_request_whose_plan_asked_for_the_re_form_is_never_honoured() -> None:
+    """A plan that fell back to the unplanned path re-formed without its checkpoint: the
+    survivors of that re-form must not save and hold on the request it left behind."""
+    request = CheckpointRequest(generation=5, deadline=100.0)
+    assert pending_generation(request, 50.0, answered=4, reformed=4) == 5
+    assert pending_generation(request, 50.0, answered=4, reformed=5) == 0
+    assert pending_generation(request, 50.0, answered=0, reformed=7) == 0
+
+
 def test_lr_schedule_is_a_function_of_the_step() -> None:
     cfg = config_from_dict({"optim": {"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1}})
     assert [lr_at(s, cfg.optim, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

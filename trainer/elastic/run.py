@@ -168,6 +168,8 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         self.user_state = user
         self.state = TrainerState()
         self.resumed_from = 0
+        self.last_step = -1
+        """The newest step completed before this world (``Progress.last_step``)."""
         self.last_loss = float("nan")
         self.tokens_per_s = 0.0
         self.samples_per_s = 0.0
@@ -348,6 +350,7 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         size). Every rank takes part, fresh or surviving, and all take the same path."""
         if self.checkpointer is not None:
             self.checkpointer.prepare()
+        self.last_step = self._last_step_before()
         t0 = time.perf_counter()
         stored = latest_committed(self.checkpointer.root) if self.checkpointer is not None else None
         try:
@@ -373,6 +376,19 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         self.session.held = []
         self.change.add("load", load_s)
         self._resumed_at(step, "resumed", load_s=round(load_s, 3), plan=str(self.plan))
+
+    def _last_step_before(self) -> int:
+        """Collective: the newest step any rank completed in an earlier world (a survivor's
+        own, or rank 0's reading of the progress record the world before left); -1 if none."""
+        last = self.session.last_step
+        previous = self.channel.previous_progress if self.channel is not None else None
+        if previous is not None:
+            last = max(last, previous.step)
+        if self.rt.world_size == 1:
+            return last
+        newest = torch.tensor([last], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.rt.control_group)
+        return int(newest.item())
 
     def _resumed_at(self, step: int, event: str, **fields: Any) -> None:
         self.state.step, self.state.samples_seen = step, step * self.plan.global_batch
@@ -472,7 +488,7 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
             now = time.time()
             if self.channel is not None and self.checkpointer is not None:
                 request = self.channel.request()
-                generation = pending_generation(request, now, self.channel.answered)
+                generation = pending_generation(request, now, self.channel.answered, self.channel.reformed)
             every = self.cfg.checkpoint.every.total_seconds()
             save_due = every > 0 and time.monotonic() - self._last_save_time >= every
         decided = agree(

@@ -142,6 +142,8 @@ class Session:
         """The small replicated state (scheduler, extras) of the steps held in memory."""
         self.run: Run | None = None
         """The run of the current incarnation."""
+        self.last_step = -1
+        """The newest step this process completed in an earlier world (-1: none)."""
         self.exit_code: int | None = None
         """Set when the process is to end without finishing: 128+signal (stopped), 0 (left the job)."""
         self._closed = False
@@ -261,6 +263,7 @@ class Session:
         log.info("leaving the world for a re-form", step=old_step, clean=clean, why=str(exc)[:200])
         leaving = False
         if run is not None:
+            self.last_step = max(self.last_step, old_step)
             run._record_reached()
             held, leaving = run.leave_world(clean)
             if held:
