@@ -13,7 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from regroup.exit_codes import NOT_FAILURES
+
 JOB_LABEL = "regroup.dev/job"
+
+OOM_KILLED = "OOMKilled"
+"""The kubelet's reason for a container the kernel killed for memory (exit code 137)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,27 @@ class PodDisruption:
     since: float | None
     """Unix time of the condition's ``lastTransitionTime``, when the API gives one."""
     grace_seconds: float
-    """The pod's ``spec.terminationGracePeriodSeconds`` (30 when unset): the notice."""
+    """The notice: the deletion's ``metadata.deletionGracePeriodSeconds`` once the pod is
+    being deleted, else its ``spec.terminationGracePeriodSeconds`` (30 when unset)."""
+
+
+def termination_failed(exit_code: int | None, reason: str = "", signal: int = 0) -> bool:
+    """Whether a container's termination was a failure: an exit code other than those of
+    ``regroup.exit_codes.NOT_FAILURES`` (0: finished, 75: left the job), the kernel's OOM
+    kill, or a signal. ``exit_code`` None (the kubelet kept no termination) counts as one."""
+    return exit_code is None or exit_code not in NOT_FAILURES or reason == OOM_KILLED or signal != 0
+
+
+@dataclass(frozen=True)
+class ContainerRestarts:
+    """One container's restarts, as the kubelet reports them in ``status.containerStatuses``."""
+
+    name: str
+    count: int
+    """``restartCount``."""
+    last_failed: bool = True
+    """Whether the termination behind its latest restart (``lastState.terminated``) was a
+    failure (``termination_failed``); True when the kubelet kept none."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +96,17 @@ class PodInfo:
     phase: str = "Running"
     deleting: bool = False
     """``metadata.deletionTimestamp`` is set (deleted or evicted, still terminating)."""
+    deletion_deadline: float | None = None
+    """Unix time of ``metadata.deletionTimestamp``: when the kubelet kills the containers
+    that have not stopped (the deletion's moment plus its grace). None when not deleting,
+    or when the adapter does not know it (the pod's leave is then a loss, never planned)."""
+    deletion_grace_seconds: float | None = None
+    """``metadata.deletionGracePeriodSeconds``: the grace the deletion gave (None: unknown)."""
     restart_count: int = 0
     """Sum of the containers' ``restartCount``."""
+    containers: tuple[ContainerRestarts, ...] = ()
+    """Each container's restarts and whether the latest was a failure. Empty where the
+    adapter does not report them: every restart (``restart_count`` going up) is then a failure."""
     created_at: float = 0.0
     """Unix time of ``metadata.creationTimestamp``."""
     labels: Mapping[str, str] = field(default_factory=dict)

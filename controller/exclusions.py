@@ -1,10 +1,11 @@
 """``control/excluded``: the job's nodes that are leaving, which no agent brings back.
 
 A node is excluded while it is under a reclaim notice or cordoned (a restart storm's
-cordon included), and while the job's pod on it carries ``DisruptionTarget=True``. Agents
-read the record and do not bring such a node back into the job, with or without a
-controller; an entry lifts with its taint, cordon or pod condition (or the node's
-deletion). Pure: ``decide`` calls it and applies the write it returns.
+cordon included), while the job's pod on it carries ``DisruptionTarget=True`` or is being
+deleted, and while its agent is leaving (``leaving_by``). Agents read the record and do
+not bring such a node back into the job, with or without a controller; an entry lifts
+with its taint, cordon, pod condition or deletion (the pod gone or replaced), the leaving
+agent's record, or the node's deletion. Pure: ``decide`` calls it and applies the write it returns.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import NamedTuple
 
-from regroup.controller.disruption import PodNotice
+from regroup.controller.disruption import AgentNotice, PodNotice
 from regroup.controller.signals import ReclaimNotice, leaving_signal
 from regroup.controller.snapshot import JobSnapshot, WriteExclusions
 from regroup.records import Exclusions
@@ -26,7 +27,9 @@ class LeavingNodes(NamedTuple):
     storm: Collection[str]
     """Nodes under a restart storm."""
     pods: Mapping[str, PodNotice]
-    """node -> the disruption notice of the job's pod there, terminating or not."""
+    """node -> the notice of the job's going pod there, a loss already or not."""
+    agents: Mapping[str, AgentNotice]
+    """node -> the leave its agent announced, a loss already or not."""
 
 
 def exclusions_update(
@@ -37,14 +40,13 @@ def exclusions_update(
     for node, notice in leaving.notices.items():
         info = s.nodes.get(node)
         why = leaving_signal(info, reclaim_taints) if info is not None else None
-        pod = leaving.pods.get(node)
-        if why is None and pod is not None and pod.notice is notice:
-            why = pod.why
-        wanted[node] = why or f"reclaim notice ({notice.source})"
+        wanted[node] = why or notice.signal  # a pod's or an agent's notice names itself
     for node in leaving.storm:
         wanted.setdefault(node, "restart storm")
     for node, pod in leaving.pods.items():
-        wanted.setdefault(node, pod.why)  # until the condition goes or the pod is replaced
+        wanted.setdefault(node, pod.why)  # until the condition goes or the pod is gone or replaced
+    for node, agent in leaving.agents.items():
+        wanted.setdefault(node, agent.notice.signal)  # until the leaving agent's record goes
     old = s.exclusions.nodes if s.exclusions is not None else {}
     for node, why in old.items():
         if node in wanted:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from regroup.controller.cluster import PodInfo
-from regroup.controller.disruption import disruption_key
+from regroup.controller.disruption import disruption_key, going, leaving_key
 from regroup.controller.jobconfig import ResolvedConfig, update_resolved
 from regroup.controller.multimap import index_add, index_discard
 from regroup.controller.rounds import HISTORY, JobRound
@@ -31,10 +31,12 @@ class JobState:
     first_seen: dict[str, float] = field(default_factory=dict)
     """The job's own sightings (see ``regroup.controller.sightings``)."""
     restarts: dict[str, deque[float]] = field(default_factory=dict)
-    """Per node, when rank or container restarts were observed there, oldest first."""
+    """Per node, when rank restarts or failed container restarts (``failed_restarts``) were
+    observed there, oldest first: the restart-storm rule's history."""
     plan: records.ReformPlan | None = None
     plan_revision: int = 0
     checkpoint: records.CheckpointRequest | None = None
+    checkpoint_revision: int = 0
     expected: records.ExpectedMembership | None = None
     reform: records.ReformRequest | None = None
     acks: dict[int, records.CheckpointAck] = field(default_factory=dict)
@@ -44,12 +46,10 @@ class JobState:
     status: records.JobStatus | None = None
     exclusions: records.Exclusions | None = None
     # --- indexes -----------------------------------------------------------------------
-    pod_restarts: dict[str, int] = field(default_factory=dict)
-    """Pod -> the restart count last seen (restarts are counted from the difference)."""
     member_pods: dict[str, set[str]] = field(default_factory=dict)
     """Pod name -> the nodes whose member names it."""
     disrupted: dict[str, PodInfo] = field(default_factory=dict)
-    """Pods carrying ``DisruptionTarget=True``, by name."""
+    """Pods Kubernetes is taking away (``DisruptionTarget=True``, or being deleted), by name."""
     pods_view: tuple[PodInfo, ...] | None = None
     """``tuple(pods.values())``; None after any pod change."""
     resolved: ResolvedConfig | None = None
@@ -95,10 +95,9 @@ class JobState:
         touched = old is None or not restart_only(old, pod)
         if touched:
             self.resolved = update_resolved(self.resolved, old, pod)
-        previous = self.pod_restarts.get(pod.name, pod.restart_count if old is None else 0)
-        if pod.restart_count > previous and pod.node is not None:
-            self.restarted(pod.node, pod.restart_count - previous, now)
-        self.pod_restarts[pod.name] = pod.restart_count
+        failed = failed_restarts(old, pod)
+        if failed and pod.node is not None:
+            self.restarted(pod.node, failed, now)
         if pod.deleting and pod.node is not None and not (old is not None and old.deleting):
             self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
         self._track_disruption(old, pod, now)
@@ -119,7 +118,6 @@ class JobState:
         self.pods_view = None
         if pod is not None:
             self.resolved = update_resolved(self.resolved, pod, None)
-        self.pod_restarts.pop(name, None)
         if pod is not None and pod.node is not None:
             self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
         self._track_disruption(pod, None, now)
@@ -130,12 +128,12 @@ class JobState:
         return self.member_pods.get(pod, ())
 
     def _track_disruption(self, old: PodInfo | None, pod: PodInfo | None, now: float) -> None:
-        """Keep the index of disrupted pods and when each condition was first seen."""
-        if old is not None and old.disruption is not None:
-            if pod is None or pod.disruption is None or disruption_key(pod) != disruption_key(old):
+        """Keep the index of going pods (``disruption.going``) and when each was first seen going."""
+        if old is not None and going(old):
+            if pod is None or not going(pod) or disruption_key(pod) != disruption_key(old):
                 self.first_seen.pop(disruption_key(old), None)
             self.disrupted.pop(old.name, None)
-        if pod is not None and pod.disruption is not None:
+        if pod is not None and going(pod):
             self.first_seen.setdefault(disruption_key(pod), now)
             self.disrupted[pod.name] = pod
 
@@ -148,6 +146,10 @@ class JobState:
             index_add(self.member_pods, member.pod, node)
         self.first_seen.pop(signal_key(node, "member-gone"), None)
         self.first_seen.setdefault(member_seen_key(node, member.joined_at, member.round), now)
+        if member.leaving_by > 0:
+            self.first_seen.setdefault(leaving_key(node, member), now)
+        if old is not None and old.joined_at != member.joined_at:
+            self.first_seen.pop(leaving_key(node, old), None)
         if old is not None and member.restart_count > old.restart_count:
             self.restarted(node, member.restart_count - old.restart_count, now)
 
@@ -158,6 +160,7 @@ class JobState:
             return False
         index_discard(self.member_pods, old.pod, node)
         self.first_seen.setdefault(signal_key(node, "member-gone"), now)
+        self.first_seen.pop(leaving_key(node, old), None)
         return True
 
     def put_ack(self, ack: records.CheckpointAck, now: float) -> None:
@@ -171,6 +174,26 @@ class JobState:
         self.first_seen[signal_key("", "progress")] = now
 
 
+def failed_restarts(old: PodInfo | None, new: PodInfo) -> int:
+    """The restarts of ``new`` since ``old`` (the same pod as last seen; None: first seen,
+    whose earlier restarts are not counted) that were failures: a container's
+    ``restartCount`` increase counts when the termination behind it was a failure
+    (``ContainerRestarts.last_failed``), never a voluntary exit (0, or 75: left the job).
+    Without container details every increase of ``restart_count`` counts."""
+    if old is None:
+        return 0
+    if not new.containers:
+        return max(0, new.restart_count - old.restart_count)
+    # A container the pod did not report before had no restarts then.
+    before = {c.name: c.count for c in old.containers}
+    return sum(c.count - before.get(c.name, 0) for c in new.containers if c.last_failed and c.count > before.get(c.name, 0))
+
+
 def restart_only(old: PodInfo | records.MemberRecord, new: PodInfo | records.MemberRecord) -> bool:
-    """Whether ``new`` (a pod or a member record) differs from ``old`` in its restart count alone."""
-    return old.restart_count != new.restart_count and old == records.evolve(new, restart_count=old.restart_count)
+    """Whether ``new`` (a pod or a member record) differs from ``old`` in its restart count alone
+    (for a pod, its containers' restarts with it)."""
+    if old.restart_count == new.restart_count:
+        return False
+    if isinstance(old, PodInfo) and isinstance(new, PodInfo):
+        return old == records.evolve(new, restart_count=old.restart_count, containers=old.containers)
+    return old == records.evolve(new, restart_count=old.restart_count)

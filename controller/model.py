@@ -8,7 +8,8 @@ signal (a taint, a lost member, a joiner), because that moment starts a re-form'
 ``detect`` phase and, for taints without ``timeAdded``, its notice.
 
 A restart alone (a container's or a rank's restart count going up) wakes a decision only
-when it brings its node to the job's restart-storm threshold. Short of it, the storm rule
+when it brings its node to the job's restart-storm threshold; a container's voluntary
+restart (exit 0 or 75, ``job_state.failed_restarts``) never counts towards it. Short of it, the storm rule
 reads nothing else a restart changes. Past it, the node is in a storm already: the
 decision that found it there cordoned it, asked for its pods' deletion and to look again
 when its window ends, and a later restart only keeps it in the storm longer (a
@@ -34,7 +35,7 @@ __all__ = ["ClusterModel", "JobId", "JobState"]
 
 RECORD_FIELDS: dict[KeyKind, tuple[str, str | None]] = {
     KeyKind.PLAN: ("plan", "plan_revision"),
-    KeyKind.CHECKPOINT: ("checkpoint", None),
+    KeyKind.CHECKPOINT: ("checkpoint", "checkpoint_revision"),
     KeyKind.EXPECTED: ("expected", None),
     KeyKind.REFORM: ("reform", None),
     KeyKind.CONTROLLER: ("presence", None),
@@ -214,6 +215,17 @@ class ClusterModel:
         """A record the controller itself just wrote to one of the job's control keys (no
         parameters in its key): into the model as the watch will bring it, waking no one."""
         self._apply_put(job_id, self._job(job_id), kind, {}, record, revision, self._clock())
+
+    def own_delete(self, job_id: JobId, kind: KeyKind) -> None:
+        """A control record (no parameters in its key) the controller itself just deleted:
+        out of the model as the watch will show it, waking no one."""
+        state = self.jobs.get(job_id)
+        if state is None or kind not in RECORD_FIELDS:
+            return
+        field, revision_field = RECORD_FIELDS[kind]
+        setattr(state, field, None)
+        if revision_field is not None:
+            setattr(state, revision_field, 0)
 
     def _apply_put(
         self, job_id: JobId, state: JobState, kind: KeyKind, params: dict[str, str], record: Record | None,

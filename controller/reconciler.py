@@ -1,7 +1,8 @@
 """Reconcile one job: fresh snapshot -> ``decide`` -> apply the actions.
 
 The etcd writes go through ``EtcdWriter`` (the plan by compare-and-set on its revision:
-the fencing token that stops a stale replica from overwriting a newer plan); cluster
+the fencing token that stops a stale replica from overwriting a newer plan; a checkpoint
+request's withdrawal by a delete fenced on its own revision and the plan's); cluster
 actions go to the ``ClusterActuator``, Events to the ``EventRecorder``, which posts them
 in the background. A failed write ends the cycle and the job is looked at again after a
 back-off; nothing is retried blindly.
@@ -32,6 +33,7 @@ from regroup.controller.snapshot import (
     DeletePod,
     PostEvent,
     PostPodEvents,
+    WithdrawCheckpointRequest,
     WriteCheckpointRequest,
     WriteExclusions,
     WriteExpected,
@@ -77,6 +79,11 @@ class EtcdWriter(Protocol):
         """Write ``key`` only if its mod_revision is ``expected_revision`` (0: absent).
 
         Returns the new revision; raises ``PlanConflict`` otherwise."""
+        ...
+
+    async def compare_and_delete(self, key: str, expected_revision: int, fence: tuple[str, int]) -> None:
+        """Delete ``key`` only if its mod_revision is ``expected_revision`` and that of
+        ``fence[0]`` is ``fence[1]``; raises ``PlanConflict`` otherwise."""
         ...
 
 
@@ -178,6 +185,8 @@ class Reconciler:
         if record is not None:
             kind, name, leased = record
             await self._put(job, kind, getattr(action, name), leased)
+        elif isinstance(action, WithdrawCheckpointRequest):
+            await self._withdraw_checkpoint(job, action)
         elif isinstance(action, Cordon):
             await self._cordon(action, now)
         elif isinstance(action, DeletePod):
@@ -197,6 +206,16 @@ class Reconciler:
         else:
             revision = await self.writer.put(self._keys(job).key(kind), record.to_json(), leased=leased)
         self.model.own_write(job, kind, record, revision)
+
+    async def _withdraw_checkpoint(self, job: JobId, action: WithdrawCheckpointRequest) -> None:
+        if self.writer is not None:
+            plan_revision = action.plan_revision
+            if plan_revision == AFTER_PREVIOUS_PLAN:
+                plan_revision = self.model.jobs[job].plan_revision
+            keys = self._keys(job)
+            await self.writer.compare_and_delete(keys.checkpoint, action.revision, (keys.plan, plan_revision))
+        self.model.own_delete(job, KeyKind.CHECKPOINT)
+        log.info("checkpoint request withdrawn", namespace=job[0], job=job[1], generation=action.generation)
 
     async def _write_plan(self, job: JobId, action: WritePlan, now: float) -> None:
         if self.writer is None:

@@ -37,7 +37,8 @@ job was first queued for it (signal-to-decision latency)."""
 
 
 class EtcdLeaseWriter:
-    """The controller's etcd writes: presence keys bound to its lease, the plan by CAS."""
+    """The controller's etcd writes: presence keys bound to its lease, the plan by CAS, a
+    checkpoint request's withdrawal fenced on its revision and the plan's."""
 
     def __init__(self, client: Any, own: OwnWrites) -> None:
         self.client = client
@@ -62,6 +63,18 @@ class EtcdLeaseWriter:
         revision = int(responses[0].response_put.header.revision)
         self.own.add(revision)
         return revision
+
+    async def compare_and_delete(self, key: str, expected_revision: int, fence: tuple[str, int]) -> None:
+        txn = self.client.transactions
+        fence_key, fence_revision = fence
+        ok, responses = await self.client.transaction(
+            compare=[txn.mod(key.encode()) == expected_revision, txn.mod(fence_key.encode()) == fence_revision],
+            success=[txn.delete(key.encode())],
+            failure=[],
+        )
+        if not ok:
+            raise PlanConflict(key)
+        self.own.add(int(responses[0].response_delete_range.header.revision))
 
 
 class ReconcileLoop:

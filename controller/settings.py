@@ -45,7 +45,12 @@ class ReformSettings:
 
     notice_margin: timedelta = timedelta(seconds=5)
     """Kept free at the end of a reclaim notice for the re-form itself: the checkpoint
-    wait ends this long before the node is due to vanish."""
+    wait ends this long before the node is due to vanish (half of the notice, for a notice
+    shorter than twice this: a 5 s grace keeps 2.5 s for the checkpoint, 2.5 s for the re-form)."""
+    min_planned_grace: timedelta = timedelta(seconds=2)
+    """A member whose pod is being deleted, or whose agent is leaving, with less than this
+    left of its grace is a loss (unplanned re-form at once), not a notice: too little time
+    to hand its state over. Also when its grace has run out."""
     rendezvous_timeout: timedelta = timedelta(minutes=5)
     """A re-form whose expected members have not all joined the new round by then is
     given up (outcome ``timeout``) and decided afresh."""
@@ -60,6 +65,8 @@ class ReformSettings:
     def __post_init__(self) -> None:
         if self.notice_margin < timedelta(0):
             raise ValueError(f"ReformSettings.notice_margin must not be negative, got {self.notice_margin}")
+        if self.min_planned_grace < timedelta(0):
+            raise ValueError(f"ReformSettings.min_planned_grace must not be negative, got {self.min_planned_grace}")
         _positive("ReformSettings", "rendezvous_timeout", self.rendezvous_timeout)
         _positive("ReformSettings", "resume_timeout", self.resume_timeout)
         if self.flapping_rounds < 2:

@@ -5,23 +5,37 @@ the notice that project gives before the node goes, which bounds the checkpoint 
 a planned shrink. ``lost`` entries mean the node is already gone for training purposes:
 the re-form is unplanned.
 
-Beside the taints, one pod signal (``POD_DISRUPTION``):
+Beside the taints, three signals that one member of a job is leaving (``LEAVE_SIGNALS``),
+each a reclaim notice on the member's node for that job only:
 
-- source: Kubernetes (KEP-3329; beta in 1.26, GA in 1.31);
-- signal: a member's pod carries the condition ``DisruptionTarget=True``, reason
+- ``POD_DISRUPTION``. Source: Kubernetes (KEP-3329; beta in 1.26, GA in 1.31). Signal: a
+  member's pod carries the condition ``DisruptionTarget=True``, reason
   ``PreemptionByScheduler``, ``DeletionByTaintManager``, ``EvictionByEvictionAPI``,
-  ``DeletionByPodGC`` or ``TerminationByKubelet``;
-- path: planned;
-- notice: the pod's ``terminationGracePeriodSeconds`` (30 s when unset), from the
-  condition's ``lastTransitionTime`` (else from first sight).
+  ``DeletionByPodGC`` or ``TerminationByKubelet``. Path: planned. Notice: until the
+  deletion's ``deletionTimestamp`` once the pod is being deleted, else the pod's
+  ``terminationGracePeriodSeconds`` (30 s when unset) from the condition's
+  ``lastTransitionTime`` (else from first sight). Kubernetes adds the condition when it
+  evicts, preempts or deletes the pod (Kubernetes documentation, "Disruptions", section
+  "Pod disruption conditions",
+  https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions).
+- ``POD_DELETION``. Source: Kubernetes (the Eviction API, ``kubectl drain``, Karpenter and
+  cluster-autoscaler drains, ``kubectl delete pod``, the taint manager). Signal: a member's
+  pod has ``metadata.deletionTimestamp`` set (its containers got SIGTERM). Path: planned
+  while at least ``ReformSettings.min_planned_grace`` of the grace is left; a loss once less
+  is, or when the pod object is gone, its phase is Failed or Succeeded, or its member
+  vanished or restarted. Notice: from the deletion (``deletionTimestamp`` less
+  ``deletionGracePeriodSeconds``) to ``deletionTimestamp``, when the kubelet kills what is left.
+- ``MEMBER_LEAVING``. Source: the regroup agent (``regroup-run`` on SIGTERM, whoever sent it).
+  Signal: its member record ``members/<node>`` carries ``leaving_by > 0``. Path: planned,
+  with the same threshold as a pod deletion. Notice: from ``leaving_since`` to ``leaving_by``.
 
-Kubernetes adds the condition before it evicts, preempts or deletes the pod (Kubernetes
-documentation, "Disruptions", section "Pod disruption conditions",
-https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions): the earliest portable
-"this pod is going away". It counts as a reclaim notice on the pod's node for that job
-only; once the pod is terminating (``deletionTimestamp`` set, its containers signalled)
-or has failed, it is a loss as before, and the node stays excluded from the job until the
-condition is gone or the pod is replaced (see ``regroup.controller.disruption``).
+An eviction (one request to the Eviction API) writes ``DisruptionTarget`` and, at once in the
+next write, the deletion (kube-apiserver ``pkg/registry/core/pod/storage/eviction.go``,
+``addConditionAndDeletePod``): the condition comes milliseconds ahead of the deletion, never
+as a notice of its own, so a deletion with time left must be a notice, not a loss. Where
+several notices bound one node, the one that ends first counts. The node stays out of the
+job while its pod leaves, until the condition is gone or the pod is replaced (see
+``regroup.controller.disruption``), and while its agent leaves.
 """
 
 from __future__ import annotations
@@ -63,6 +77,18 @@ class PodSignal:
     """The notice when the pod sets no ``terminationGracePeriodSeconds``."""
 
 
+@dataclass(frozen=True)
+class LeaveSignal:
+    """A sign that one member of a job is leaving it, with time left to hand over."""
+
+    signal: str
+    """What is observed."""
+    source: str
+    """Who sets it."""
+    notice: str
+    """Where the notice's end comes from."""
+
+
 POD_DISRUPTION = PodSignal(
     condition="DisruptionTarget",
     source="Kubernetes",
@@ -70,6 +96,24 @@ POD_DISRUPTION = PodSignal(
              "TerminationByKubelet"),
     default_grace=timedelta(seconds=30),
 )
+
+POD_DELETION = LeaveSignal(
+    signal="pod metadata.deletionTimestamp",
+    # Eviction API, kubectl drain/delete, Karpenter and cluster-autoscaler drains, taint manager.
+    source="Kubernetes",
+    notice="metadata.deletionTimestamp (the deletion plus its deletionGracePeriodSeconds)",
+)
+
+MEMBER_LEAVING = LeaveSignal(
+    signal="member leaving_by",
+    # regroup-run writes it on SIGTERM, before it hands its state over and exits 75.
+    source="regroup agent",
+    notice="the member record's leaving_by",
+)
+
+LEAVE_SIGNALS: tuple[PodSignal | LeaveSignal, ...] = (POD_DISRUPTION, POD_DELETION, MEMBER_LEAVING)
+"""The signals that one member is leaving a job (module docstring), beside the node-wide
+``RECLAIM_SIGNALS``."""
 
 
 AWS_NOTICE = timedelta(minutes=2)
@@ -97,8 +141,7 @@ RECLAIM_SIGNALS: tuple[ReclaimSignal, ...] = (
     ReclaimSignal("remediator.kubernetes.azure.com/unschedulable", "AKS", notice=AKS_NOTICE),
 )
 """Besides these taints: node ``spec.unschedulable`` (a cordon), node ``Ready`` not
-True, node deleted, a member's pod deleted, evicted or failed (see ``node_verdict``
-and ``decide``), and ``POD_DISRUPTION`` on a member's pod."""
+True, node deleted (see ``node_verdict``), and the ``LEAVE_SIGNALS`` of one member."""
 
 _BY_KEY: Mapping[str, ReclaimSignal] = {s.key: s for s in RECLAIM_SIGNALS}
 
@@ -109,7 +152,7 @@ class ReclaimNotice:
 
     node: str
     signal: str
-    """Taint key (or ``spec.unschedulable``, or the pod condition) that announced it."""
+    """Taint key (or ``spec.unschedulable``, or what announced a member's leave) that announced it."""
     source: str
     since: float
     """Unix time the notice began (taint timeAdded, the autoscaler's value, or first seen)."""

@@ -80,6 +80,8 @@ class JobSnapshot:
     plan_revision: int
     """``mod_revision`` of ``control/plan`` (0: absent): the fencing token for writing it."""
     checkpoint: CheckpointRequest | None
+    checkpoint_revision: int
+    """``mod_revision`` of ``control/checkpoint`` (0: absent): the fencing token for withdrawing it."""
     expected: ExpectedMembership | None
     reform: ReformRequest | None
     acks: Mapping[int, CheckpointAck]
@@ -103,7 +105,7 @@ class JobSnapshot:
     """Nodes that may be unhealthy for this job (``regroup.controller.suspects``); every other
     node of the round is known healthy."""
     disrupted: Mapping[str, PodInfo]
-    """The job's pods carrying ``DisruptionTarget=True``, by name."""
+    """The job's pods Kubernetes is taking away (``DisruptionTarget=True``, or being deleted), by name."""
     storm_marks: Mapping[str, float]
     """Node -> the time of its K-th newest restart, for nodes with at least K (K of the
     resolved config's restart-storm rule; empty without a config): ``signals.storm_mark``."""
@@ -130,6 +132,16 @@ class WritePlan(NamedTuple):
 
 class WriteCheckpointRequest(NamedTuple):
     request: CheckpointRequest
+
+
+class WithdrawCheckpointRequest(NamedTuple):
+    """Delete ``control/checkpoint`` (a request of ``generation``) if it is still at
+    ``revision`` and ``control/plan`` at ``plan_revision`` (``AFTER_PREVIOUS_PLAN``: what
+    this decision's last plan write left): a conflict means the view was stale."""
+
+    generation: int
+    revision: int
+    plan_revision: int
 
 
 class WriteExpected(NamedTuple):
@@ -183,6 +195,7 @@ class PostPodEvents(NamedTuple):
 Action = (
     WritePlan
     | WriteCheckpointRequest
+    | WithdrawCheckpointRequest
     | WriteExpected
     | WriteReform
     | WritePresence

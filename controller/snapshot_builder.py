@@ -61,6 +61,7 @@ def build_snapshot(
         plan=state.plan,
         plan_revision=state.plan_revision,
         checkpoint=state.checkpoint,
+        checkpoint_revision=state.checkpoint_revision,
         expected=state.expected,
         reform=state.reform,
         acks=state.acks,

@@ -1,8 +1,9 @@
 """The nodes of a job that a decision must look at closely.
 
 A node of the job (of its round, or with a member) is a suspect unless it is plainly
-healthy: its member is in the current round with the agent the round names, its pod is
-there and running, and the node is known and carries no taint, cordon or NotReady.
+healthy: its member is in the current round with the agent the round names and is not
+leaving, its pod is there and running, and the node is known and carries no taint, cordon
+or NotReady.
 ``decide`` examines only suspects; every other node of the round is known healthy.
 Over-flagging is harmless (a closer look), missing one is not, so anything in doubt is
 a suspect. The model keeps each job's set up to date node by node (``refresh``) and
@@ -21,6 +22,8 @@ def is_suspect(state: JobState, fleet: Fleet, node: str) -> bool:
     """Whether ``node``, a node of the job's round or members, is not plainly healthy."""
     member = state.members.get(node)
     if member is None or member.round != state.round.world_round or node in fleet.flagged or node not in fleet.nodes:
+        return True
+    if member.leaving_by > 0:
         return True
     agents = state.round.agents
     if node in agents and member.joined_at != agents[node]:

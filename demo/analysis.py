@@ -47,6 +47,9 @@ class ProgressSample:
     resume_inferred: bool = False
     """``resumed_from_step`` was not reported (a user's script) but inferred from the steps:
     a new world (round or size) then also starts a new incarnation."""
+    last_step_before: int = -1
+    """The trainers' own newest step before this world (``Progress.last_step``; -1: not
+    reported): a step the recorder may not have seen (rank 0 publishes every interval)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def load_run(root: Path) -> RunData:
             round=int(p.get("round", 0)),
             reform_mode=str(p.get("reform_mode", "")),
             resume_phases={str(k): float(v) for k, v in (p.get("resume_phases") or {}).items()},
+            last_step_before=int(p.get("last_step", -1)),
         )
         for p in _jsonl(root / "progress.jsonl")
     ]
@@ -255,13 +259,15 @@ def infer_resume_points(progress: list[ProgressSample]) -> list[ProgressSample]:
 
 
 def interruptions(progress: list[ProgressSample]) -> list[Interruption]:
-    """Every stop of training, from one incarnation to the next."""
+    """Every stop of training, from one incarnation to the next. The last step before a
+    stop is the newest the recorder saw, or the trainers' own count when newer (the
+    controller's lost steps come from the same fact)."""
     parts = incarnations(progress)
     return [
         Interruption(
             stopped_at=before.end,
             resumed_at=after.start,
-            last_step=before.last_step,
+            last_step=max(before.last_step, after.samples[0].last_step_before),
             resumed_from_step=after.resumed_from_step,
         )
         for before, after in itertools.pairwise(parts)

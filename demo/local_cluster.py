@@ -9,10 +9,13 @@ Kubernetes cluster gives the controller:
 - a node loss is SIGKILL of everything on the node (agent and workers: the whole
   process tree, frozen first so nothing forks in between), and the node disappears;
 - a node return is a new node with a new agent;
-- an agent that exits with an error is restarted in place (the pod's restart count
-  goes up), as a kubelet would; one that exits cleanly (left out of a round) has its
-  pod replaced by a fresh one; ``delete_pod`` stops it for good on a cordoned node
-  and starts a fresh pod on a schedulable one, as a workload controller would;
+- an agent that exits non-zero is restarted in place (the pod's restart count goes up,
+  its last exit code is kept, ``restartPolicy: Always``), as a kubelet would; one that
+  exits 0 (the job finished) has its pod replaced by a fresh one;
+- a deletion (``delete_pod``, ``evict``, ``drain``) is graceful, as the API server and the
+  kubelet carry it out: the pod is marked with its deletion's deadline and grace, its agent
+  gets SIGTERM, its tree SIGKILL at the deadline; then the pod is gone, and a fresh pod
+  starts on the node if the node is schedulable, as a workload controller would;
 - a watch that breaks (the API server's ``410 Gone``) is ``drop_watches``: the
   subscribers get no changes until ``relist`` sends each a full list, so whatever
   happened in the gap reaches them only through that list.
@@ -23,6 +26,7 @@ Only processes this adapter started, and their descendants, are ever signalled.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -32,12 +36,32 @@ from typing import Literal
 
 import structlog
 
-from regroup.controller.cluster import JOB_LABEL, ClusterSink, NodeInfo, ObjectRef, PodDisruption, PodInfo, Taint
+from regroup.controller.cluster import (
+    JOB_LABEL,
+    ClusterSink,
+    ContainerRestarts,
+    NodeInfo,
+    ObjectRef,
+    PodDisruption,
+    PodInfo,
+    Taint,
+    termination_failed,
+)
 from regroup.demo.processes import AgentLauncher, end_agent, kill_tree, kill_workers
 
 log = structlog.get_logger("regroup.local_cluster")
 
 CORDON_ANNOTATION = "regroup.dev/cordon-reason"
+AGENT_CONTAINER = "worker"
+"""The name of a local pod's one container (the agent)."""
+UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+"""The taint ``kubectl cordon`` (and a drain) puts on the node, beside ``spec.unschedulable``."""
+
+
+def _deleted(info: PodInfo, now: float, grace: float) -> PodInfo:
+    """``info`` as the API server marks a graceful deletion: ``deletionTimestamp`` = now +
+    grace (the kubelet SIGKILLs then), ``deletionGracePeriodSeconds`` = grace."""
+    return replace(info, deleting=True, deletion_deadline=now + grace, deletion_grace_seconds=grace)
 
 
 @dataclass(frozen=True)
@@ -228,24 +252,68 @@ class LocalCluster:
         )  # fmt: skip
         self._die_after(name, notice, "reclaimed")
 
-    async def disruption_notice(
-        self, name: str, notice: timedelta, reason: str = "EvictionByEvictionAPI"
-    ) -> None:
-        """Kubernetes is about to evict the node's pod: it gets ``DisruptionTarget=True``
-        with ``notice`` as its grace period; after ``notice`` the node dies as ``remove_node``
-        kills it."""
+    async def evict(self, name: str, grace: timedelta, reason: str = "EvictionByEvictionAPI") -> None:
+        """The Eviction API on the node's pod, as the API server and the kubelet carry it out:
+        the pod gets ``DisruptionTarget=True`` and its deletion (``deletionTimestamp``
+        = now + ``grace``); its agent gets SIGTERM, and the whole tree SIGKILL once the grace
+        is over; once the agent has exited the pod is gone, and its workload starts a new
+        pod on the node if the node takes pods."""
         pod = next((p for p in self._pods.values() if p.info.node == name), None)
         if pod is None:
             raise ValueError(f"no pod on node {name!r}")
-        pod.info = replace(pod.info, disruption=PodDisruption(reason, time.time(), notice.total_seconds()))
+        if pod.info.deleting:
+            return
+        now = time.time()
+        seconds = grace.total_seconds()
+        # The API server's two writes of one eviction: the condition, then the deletion.
+        pod.info = replace(pod.info, disruption=PodDisruption(reason, now, seconds))
+        self._publish("pod", pod.info)
+        pod.info = _deleted(pod.info, now, seconds)
         self._publish("pod", pod.info)
         self._record(
             ClusterEvent(
-                time.time(), "Pod", pod.info.name, "Warning", "DisruptionTarget",
-                f"{reason}: pod goes away in {notice.total_seconds():.0f}s", "cluster",
+                time.time(), "Pod", pod.info.name, "Warning", "Evicted",
+                f"{reason}: {seconds:.0f}s grace (SIGTERM now, SIGKILL at its end)", "cluster",
             )
         )  # fmt: skip
-        self._die_after(name, notice, "evicted")
+        self._own(asyncio.create_task(self._delete_gracefully(pod, grace, "evicted"), name=f"evict-{pod.info.name}"))
+
+    async def drain(self, name: str, grace: timedelta) -> None:
+        """``kubectl drain``: cordon the node (``spec.unschedulable`` and the
+        ``node.kubernetes.io/unschedulable`` taint), then evict its pod with ``grace``."""
+        node = self._require(name)
+        node.unschedulable = True
+        if not any(t.key == UNSCHEDULABLE_TAINT for t in node.taints):
+            node.taints.append(Taint(UNSCHEDULABLE_TAINT, "", "NoSchedule", time.time()))
+        self._publish("node", node.info())
+        self._record(ClusterEvent(time.time(), "Node", name, "Normal", "NodeNotSchedulable", "drained", "cluster"))
+        if any(p.info.node == name for p in self._pods.values()):
+            await self.evict(name, grace)
+
+    async def uncordon(self, name: str) -> None:
+        """The node takes pods again; the workload's pending pod starts there."""
+        node = self._require(name)
+        node.unschedulable = False
+        node.taints = [t for t in node.taints if t.key != UNSCHEDULABLE_TAINT]
+        self._publish("node", node.info())
+        self._record(ClusterEvent(time.time(), "Node", name, "Normal", "NodeSchedulable", "uncordoned", "cluster"))
+        if not any(p.info.node == name for p in self._pods.values()):
+            await self._create_pod(name)
+
+    async def _delete_gracefully(self, pod: _Pod, grace: timedelta, why: str) -> None:
+        """The kubelet's side of a deletion: SIGTERM, SIGKILL at the grace's end, then the
+        pod is gone; a new one starts on its node if the node takes pods."""
+        started = time.time()
+        await self._terminate(pod, grace)
+        code = pod.process.returncode if pod.process is not None else None
+        if self._pods.get(pod.info.name) is pod:
+            self._pods.pop(pod.info.name)
+        self._publish("pod-deleted", pod.info.name)
+        message = f"{why}: the agent exited {code} after {time.time() - started:.1f}s of its {grace.total_seconds():.0f}s grace"
+        self._record(ClusterEvent(time.time(), "Pod", pod.info.name, "Normal", "Deleted", message, "cluster"))
+        node = self._nodes.get(pod.info.node or "")
+        if node is not None and node.schedulable:
+            await self._create_pod(node.name)
 
     def _die_after(self, name: str, notice: timedelta, reason: str) -> None:
         """The end of a notice: the node dies as ``remove_node`` kills it (if still there)."""
@@ -280,14 +348,15 @@ class LocalCluster:
         return 0 if pid is None else kill_workers(pid)
 
     async def stop(self) -> None:
-        """Stop every agent (SIGTERM, then SIGKILL of the tree after the grace) and task."""
+        """Stop every agent (SIGINT: at once, with no hand-off; SIGKILL of the tree after
+        the grace) and task."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         pods = list(self._pods.values())
         self._pods.clear()
-        await asyncio.gather(*(self._terminate(pod) for pod in pods))
+        await asyncio.gather(*(self._terminate(pod, sig=signal.SIGINT) for pod in pods))
 
     # ------------------------------------------------------------ ClusterActuator
 
@@ -308,16 +377,9 @@ class LocalCluster:
         pod = self._pods.get(name)
         if namespace != self.namespace or pod is None or pod.info.deleting:
             return
-        pod.info = replace(pod.info, deleting=True)
+        pod.info = _deleted(pod.info, time.time(), self._stop_grace.total_seconds())
         self._publish("pod", pod.info)
-        await self._terminate(pod)
-        if self._pods.get(name) is pod:
-            self._pods.pop(name)
-        self._publish("pod-deleted", name)
-        self._record(ClusterEvent(time.time(), "Pod", name, "Normal", "Deleted", reason, "cluster"))
-        node = self._nodes.get(pod.info.node or "")
-        if node is not None and node.schedulable:
-            await self._create_pod(node.name)
+        await self._delete_gracefully(pod, self._stop_grace, reason)
 
     async def post_event(
         self, ref: ObjectRef, type_: Literal["Normal", "Warning"], reason: str, message: str
@@ -378,8 +440,8 @@ class LocalCluster:
             if self._pods.get(pod.info.name) is not pod or pod.info.deleting:
                 return
             if code == 0:
-                # The agent left cleanly (e.g. left out of a round): its workload replaces the
-                # finished pod with a fresh one, as long as the node takes new pods.
+                # The job finished: its workload replaces the finished pod with a fresh one,
+                # as long as the node takes new pods.
                 pod.info = replace(pod.info, phase="Succeeded")
                 self._publish("pod", pod.info)
                 await asyncio.sleep(self._restart_backoff.total_seconds())
@@ -389,7 +451,10 @@ class LocalCluster:
                     self._publish("pod-deleted", pod.info.name)
                     await self._create_pod(node.name)
                 return
-            pod.info = replace(pod.info, restart_count=pod.info.restart_count + 1)
+            restarts = pod.info.restart_count + 1
+            # The kubelet's lastState.terminated: whether this restart follows a failure.
+            container = ContainerRestarts(AGENT_CONTAINER, restarts, last_failed=termination_failed(code))
+            pod.info = replace(pod.info, restart_count=restarts, containers=(container,))
             log.info("agent exited, restarting", pod=pod.info.name, code=code, restarts=pod.info.restart_count)
             self._publish("pod", pod.info)
             await asyncio.sleep(self._restart_backoff.total_seconds())
@@ -400,7 +465,7 @@ class LocalCluster:
             pod.supervisor.cancel()
             await asyncio.gather(pod.supervisor, return_exceptions=True)
 
-    async def _terminate(self, pod: _Pod) -> None:
+    async def _terminate(self, pod: _Pod, grace: timedelta | None = None, sig: int = signal.SIGTERM) -> None:
         await self._stop_supervisor(pod)
         if pod.process is not None:
-            await end_agent(pod.process, self._stop_grace)
+            await end_agent(pod.process, self._stop_grace if grace is None else grace, sig)

@@ -97,14 +97,15 @@ def kill_workers(agent: int) -> int:
     return len(tree)
 
 
-async def end_agent(process: asyncio.subprocess.Process, grace: timedelta) -> None:
-    """SIGTERM the agent, give it ``grace`` to stop its workers, then SIGKILL whatever of its
+async def end_agent(process: asyncio.subprocess.Process, grace: timedelta, sig: int = signal.SIGTERM) -> None:
+    """Signal the agent (SIGTERM: a pod's deletion, which ``regroup-run`` takes as a notice to
+    hand its node over; SIGINT: stop now), give it ``grace``, then SIGKILL whatever of its
     process tree survived (the agent or orphaned workers)."""
     if process.returncode is not None:
         return
     # Snapshot the tree first: once the agent exits, its workers are no longer its children.
     tree = process_tree(process.pid)
-    signal_known({process.pid: tree.get(process.pid, 0)} if process.pid in tree else {}, signal.SIGTERM)
+    signal_known({process.pid: tree.get(process.pid, 0)} if process.pid in tree else {}, sig)
     # asyncio.timeout, not wait_for: 3.11's wait_for can drop a cancellation (gh-86296).
     with contextlib.suppress(TimeoutError):  # past the grace, what is left is killed below
         async with asyncio.timeout(grace.total_seconds()):

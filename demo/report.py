@@ -52,13 +52,18 @@ class RunSummary:
     cordoned: tuple[str, ...]
     continuous: bool
     reclaim_lost_steps: int | None
-    """Steps lost to the scripted spot reclaims, from progress (None: the scenario has none)."""
+    """Steps lost to the scripted planned leaves (spot reclaims, evictions, drains), from
+    progress (None: the scenario has none)."""
+
+
+PLANNED_LEAVES = ("reclaim", "evict", "drain")
+"""Scripted events that give notice: a reclaim taint, an eviction, a drain (its grace)."""
 
 
 def summarize(run: RunData) -> RunSummary:
     reforms = run_reforms(run)
     stops = run_interruptions(run)
-    reclaims = [i for i in event_impacts(run) if i.event.reason == "reclaim"]
+    reclaims = [i for i in event_impacts(run) if i.event.reason in PLANNED_LEAVES]
     return RunSummary(
         mode=run.mode,
         wall_s=run.ended_at - run.started_at,
@@ -229,7 +234,7 @@ def _summary_rows(summaries: list[RunSummary]) -> str:
         ("training interruptions", [str(s.interruptions) for s in summaries]),
         ("re-form traces", [str(s.reforms) for s in summaries]),
         (
-            "steps lost on the spot reclaim",
+            "steps lost on planned leaves",
             ["-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps) for s in summaries],
         ),
         ("cordoned nodes", [", ".join(s.cordoned) or "none" for s in summaries]),
@@ -374,7 +379,7 @@ def summary_text(runs: list[RunData], report: Path) -> str:
         ("final step", lambda s: str(s.final_step)),
         ("goodput", lambda s: f"{s.goodput:.0%}"),
         ("steps lost, all events", lambda s: str(s.lost_steps)),
-        ("steps lost on the spot reclaim", lambda s: "-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps)),
+        ("steps lost on planned leaves", lambda s: "-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps)),
         ("re-form traces", lambda s: str(s.reforms)),
         ("cordoned", lambda s: ",".join(s.cordoned) or "none"),
         ("loss curve continuous", lambda s: "yes" if s.continuous else "NO"),

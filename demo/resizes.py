@@ -27,8 +27,9 @@ class ScriptedResize:
 def scripted_resizes(run: RunData) -> list[ScriptedResize]:
     """Each scripted event with the world size the script implies before and after it.
 
-    The job trains on as many live nodes as its max allows: a reclaimed or lost node
-    leaves, a restored one comes back. A flaky node stays until the controller cordons
+    The job trains on as many live nodes as its max allows: a reclaimed, drained or lost
+    node leaves, a restored or uncordoned one comes back; an evicted pod leaves and its
+    replacement comes back on the same node before the next event. A flaky node stays until the controller cordons
     it, which the script does not decide, so it changes nothing here.
     """
     nodes = set(run.meta.get("nodes", ()))
@@ -37,9 +38,14 @@ def scripted_resizes(run: RunData) -> list[ScriptedResize]:
     resizes = []
     for event in scripted_events(run):
         before = min(len(nodes), cap) * per_node
-        if event.reason in ("reclaim", "lose"):
+        if event.reason == "evict":
+            # The pod goes; its replacement comes back on the same node for the next event.
+            after = min(len(nodes - set(event.nodes)), cap) * per_node
+            resizes.append(ScriptedResize(event, before, after))
+            continue
+        if event.reason in ("reclaim", "drain", "lose"):
             nodes -= set(event.nodes)
-        elif event.reason == "restore":
+        elif event.reason in ("restore", "uncordon"):
             nodes |= set(event.nodes)
         resizes.append(ScriptedResize(event, before, min(len(nodes), cap) * per_node))
     return resizes
@@ -110,7 +116,8 @@ class ResizeLatency:
     start: float
     """The moment measured from (unix seconds)."""
     start_from: str
-    """What ``start`` is: ``taint``, ``kill``, ``grow plan decided`` or ``restore + join window``."""
+    """What ``start`` is: ``taint``, ``eviction``, ``drain``, ``kill``, ``grow plan decided`` or
+    ``restore + join window``."""
     reached: ProgressSample | None
     """The first progress at ``ranks_after``; None when none came before the next scripted
     event (or the end of the run)."""
@@ -132,9 +139,11 @@ def grow_decided_at(run: RunData, after: float, before: float | None = None) -> 
 
 
 def reform_latencies(run: RunData, join_window: float) -> list[ResizeLatency]:
-    """For each scripted reclaim, loss and restore: seconds until training at the new size.
+    """For each scripted reclaim, eviction, drain, loss, restore and uncordon: seconds until
+    training at the new size.
 
-    Measured from the reclaim taint, the kill, and for a restore the moment the join
+    Measured from the reclaim taint, the eviction (or the drain's cordon), the kill, and for
+    a restore (or an uncordon) the moment the join
     window closed: the grow plan's ``decided_at``, or, where no controller decided a grow
     (plain torchrun), the restore plus ``join_window`` seconds. The search for the new
     size ends at the next scripted event.
@@ -144,11 +153,13 @@ def reform_latencies(run: RunData, join_window: float) -> list[ResizeLatency]:
     latencies = []
     for i, (resize, impact) in enumerate(zip(resizes, impacts)):
         event = resize.event
-        if event.reason not in ("reclaim", "lose", "restore"):
+        if event.reason not in ("reclaim", "evict", "drain", "lose", "restore", "uncordon"):
             continue
         until = resizes[i + 1].event.time if i + 1 < len(resizes) else None
         if event.reason == "reclaim":
             start, start_from = event.time, "taint"
+        elif event.reason in ("evict", "drain"):
+            start, start_from = event.time, "eviction" if event.reason == "evict" else "drain"
         elif event.reason == "lose":
             start, start_from = event.time, "kill"
         else:
@@ -156,7 +167,7 @@ def reform_latencies(run: RunData, join_window: float) -> list[ResizeLatency]:
             if decided is not None:
                 start, start_from = decided, "grow plan decided"
             else:
-                start, start_from = event.time + join_window, "restore + join window"
+                start, start_from = event.time + join_window, f"{event.reason} + join window"
         reached = first_progress_at(run, event.time, resize.ranks_after, until)
         latencies.append(
             ResizeLatency(event, resize.ranks_before, resize.ranks_after, start, start_from, reached, impact.lost_steps)

@@ -146,7 +146,13 @@ async def _play(run: RunState, events: tuple[ChurnEvent, ...], pace: Pace | None
                     await run.cluster.reclaim_notice(node, event.taint, event.notice)
             elif event.action == "evict":
                 if run.cluster.node(node) is not None:
-                    await run.cluster.disruption_notice(node, event.notice)
+                    await run.cluster.evict(node, event.notice)
+            elif event.action == "drain":
+                if run.cluster.node(node) is not None:
+                    await run.cluster.drain(node, event.notice)
+            elif event.action == "uncordon":
+                if run.cluster.node(node) is not None:
+                    await run.cluster.uncordon(node)
             elif event.action == "lose":
                 if run.cluster.node(node) is not None:
                     run.gone.add(node)

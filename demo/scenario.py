@@ -18,8 +18,8 @@ import yaml
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
 DEFAULT_RECLAIM_TAINT = "aws-node-termination-handler/spot-itn"
 
-Action = Literal["reclaim", "evict", "lose", "restore", "flaky"]
-ACTIONS: tuple[str, ...] = ("reclaim", "evict", "lose", "restore", "flaky")
+Action = Literal["reclaim", "evict", "drain", "uncordon", "lose", "restore", "flaky"]
+ACTIONS: tuple[str, ...] = ("reclaim", "evict", "drain", "uncordon", "lose", "restore", "flaky")
 
 
 class ScenarioError(ValueError):
@@ -35,14 +35,19 @@ class ChurnEvent:
     previous one's re-form to finish, so each event's cost is measured on its own."""
     action: Action
     """``reclaim``: a reclaim taint with a notice, then the node is killed; ``evict``: the
-    node's pod gets ``DisruptionTarget=True`` with the notice as its grace period (an
-    eviction or preemption), then the node is killed; ``lose``: the
+    node's pod is evicted as the Eviction API does it (``DisruptionTarget=True`` and the
+    deletion with the notice as its grace period; SIGTERM to its agent,
+    SIGKILL at the grace's end), and its workload starts a new pod on the node;
+    ``drain``: ``kubectl drain``: the node is cordoned, then its pod evicted the same way
+    (no new pod starts there while it is cordoned); ``uncordon``: the node takes pods
+    again and its workload's pending pod starts there; ``lose``: the
     node and everything on it is SIGKILLed; ``restore``: lost nodes come back with a new
     agent; ``flaky``: the node's rank starts crashing every ``crash_after_steps`` steps."""
     nodes: tuple[str, ...]
     """The nodes it happens to."""
     notice: timedelta = timedelta(0)
-    """``reclaim`` and ``evict``: how long between the notice and the node's death."""
+    """``reclaim``: how long between the notice and the node's death; ``evict`` and
+    ``drain``: the eviction's grace period (SIGTERM, then SIGKILL once it is over)."""
     taint: str = DEFAULT_RECLAIM_TAINT
     """``reclaim`` only: the taint key the reclaim notice carries."""
     crash_after_steps: int = 0
@@ -55,6 +60,10 @@ class ChurnEvent:
             return f"reclaim notice on {who} ({self.notice.total_seconds():.0f}s, {self.taint})"
         if self.action == "evict":
             return f"eviction of {who}'s pod (DisruptionTarget, {self.notice.total_seconds():.0f}s grace)"
+        if self.action == "drain":
+            return f"drain of {who} (cordon, then eviction with {self.notice.total_seconds():.0f}s grace)"
+        if self.action == "uncordon":
+            return f"{who} uncordoned"
         if self.action == "lose":
             return f"abrupt loss of {who}"
         if self.action == "restore":
@@ -206,7 +215,8 @@ def _parse_event(body: Any, where: str, known_nodes: tuple[str, ...]) -> ChurnEv
     if action not in ACTIONS:
         raise ScenarioError(f"{where}.action: expected one of {', '.join(ACTIONS)}, got {action!r}")
     allowed = {"at", "action", "node", "nodes"}
-    allowed |= {"reclaim": {"notice", "taint"}, "evict": {"notice"}, "flaky": {"crash_after_steps"}}.get(action, set())
+    extra = {"reclaim": {"notice", "taint"}, "evict": {"notice"}, "drain": {"notice"}, "flaky": {"crash_after_steps"}}
+    allowed |= extra.get(action, set())
     _check_keys(body, allowed, where)
     if "at" not in body:
         raise ScenarioError(f"{where}.at: required")
@@ -234,9 +244,10 @@ def _parse_event(body: Any, where: str, known_nodes: tuple[str, ...]) -> ChurnEv
             notice=parse_duration(body["notice"], f"{where}.notice"),
             taint=_str(body.get("taint", DEFAULT_RECLAIM_TAINT), f"{where}.taint"),
         )
-    if action == "evict":
+    if action in ("evict", "drain"):
         if "notice" not in body:
-            raise ScenarioError(f"{where}.notice: required for an eviction (the pod's grace period)")
+            what = "an eviction" if action == "evict" else "a drain"
+            raise ScenarioError(f"{where}.notice: required for {what} (the pod's grace period)")
         event = replace(event, notice=parse_duration(body["notice"], f"{where}.notice"))
     if action == "flaky":
         if "crash_after_steps" not in body:

@@ -11,7 +11,13 @@ from typing import Any
 from kubeapi.resources import ALL, Resource
 
 _VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
-_SHORT_NAMES = {"nodes": ["no"], "pods": ["po"], "events": ["ev"], "namespaces": ["ns"]}
+_SHORT_NAMES = {
+    ("", "nodes"): ["no"],
+    ("", "pods"): ["po"],
+    ("", "events"): ["ev"],
+    ("", "namespaces"): ["ns"],
+    ("policy", "poddisruptionbudgets"): ["pdb"],
+}
 
 
 def document(path: str, server_address: str) -> dict[str, Any] | None:
@@ -70,6 +76,6 @@ def _entry(resource: Resource, name: str, kind: str, verbs: list[str]) -> dict[s
         "kind": kind,
         "verbs": verbs,
     }
-    if name in _SHORT_NAMES and not resource.group:
-        entry["shortNames"] = _SHORT_NAMES[name]
+    if (resource.group, name) in _SHORT_NAMES:
+        entry["shortNames"] = _SHORT_NAMES[(resource.group, name)]
     return entry

@@ -32,7 +32,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-        self.reason = reason or REASONS.get(code, "Unknown")
+        self.reason = REASONS.get(code, "Unknown") if reason is None else reason
+        """The Status reason; "" for a Status that carries none (a handler's own failure Status)."""
         self.details = details
 
     def status(self) -> dict[str, Any]:
@@ -45,6 +46,8 @@ class ApiError(Exception):
             "reason": self.reason,
             "code": self.code,
         }
+        if not self.reason:
+            del body["reason"]
         if self.details is not None:
             body["details"] = self.details
         return body

@@ -11,11 +11,11 @@ import random
 import string
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kubeapi import patches
+from kubeapi import budgets, patches
 from kubeapi.errors import (
     ApiError,
     already_exists,
@@ -25,7 +25,7 @@ from kubeapi.errors import (
     not_found,
 )
 from kubeapi.jsontree import clone
-from kubeapi.resources import CANONICAL, NAMESPACES, PODS, Resource
+from kubeapi.resources import CANONICAL, NAMESPACES, POD_DISRUPTION_BUDGETS, PODS, Resource
 from kubeapi.store import Key, Store
 from kubeapi.validation import check_name, check_namespace, typed, validate
 
@@ -43,6 +43,11 @@ PATCH_TYPES = {
 
 def timestamp(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: str) -> datetime:
+    """The moment an RFC 3339 timestamp written by `timestamp` (or with fractions) names, in UTC."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC)
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class Registry:
         """When true, deleting a running pod over HTTP only marks it (deletionTimestamp) and a
         test finishes the deletion, as a kubelet would; when false, the pod goes at once."""
         self.eviction_blocks: dict[Key, str] = {}
-        """Pods whose eviction a PodDisruptionBudget (named by the value) refuses with 429."""
+        """Pods whose eviction a PodDisruptionBudget (named by the value) refuses with 429,
+        whatever the PodDisruptionBudget objects say."""
 
     # --- reads -------------------------------------------------------------------------
 
@@ -138,8 +144,8 @@ class Registry:
         meta["generation"] = 1
         if from_client and resource.reset_status_on_create is not None:
             obj["status"] = clone(resource.reset_status_on_create)
-        elif resource is NAMESPACES:
-            obj.setdefault("status", {"phase": "Active"})
+        elif resource.default_status is not None and not obj.get("status"):
+            obj["status"] = clone(resource.default_status)
         validate(resource, obj, creating=True)
         return self.store.put(resource.storage, obj)
 
@@ -279,6 +285,81 @@ class Registry:
         old = self.store.get(resource.storage, key)
         if old is None:
             raise not_found(resource.qualified, name, resource.group, resource.plural)
+        self._check_preconditions(resource, old, options)
+        meta = old["metadata"]
+        if from_client and meta.get("deletionTimestamp") and meta.get("deletionGracePeriodSeconds"):
+            # Already terminating: only a shorter grace period changes anything (rest.BeforeDelete).
+            grace = options.grace_period_seconds
+            if grace is None or grace >= meta["deletionGracePeriodSeconds"]:
+                return old
+            if grace > 0 or meta.get("finalizers"):
+                return self._mark_deleted(resource, old, grace)
+            return self.store.remove(resource.storage, key)
+        grace = self._grace_period(resource, old, options) if from_client else 0
+        if grace > 0:
+            return self._mark_deleted(resource, old, grace)
+        if meta.get("finalizers"):
+            return self._mark_deleted(resource, old, 0)
+        if resource is NAMESPACES:
+            self._delete_namespace_contents(name)
+        return self.store.remove(resource.storage, key)
+
+    def evict(self, namespace: str, name: str, eviction: dict[str, Any]) -> None:
+        """POST pods/<name>/eviction, as the eviction REST handler does it: unless a disruption
+        budget refuses (429, or 500 for a pod under two budgets), the pod gets the
+        DisruptionTarget condition in one write, then is deleted as by DELETE in the next."""
+        if not isinstance(eviction, dict):
+            raise bad_request("the request body must be a policy/v1 Eviction")
+        # As for any body, a missing kind defaults to the endpoint's.
+        if eviction.get("kind", "Eviction") != "Eviction":
+            raise bad_request(f"kind: expected Eviction, got {eviction.get('kind')!r}")
+        meta = eviction.get("metadata") or {}
+        if meta.get("name") != name:
+            raise bad_request(f"name in URL does not match name in Eviction object: {meta.get('name')!r} != {name!r}")
+        if meta.get("namespace", namespace) != namespace:
+            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        options = DeleteOptions.parse(eviction.get("deleteOptions"), None)
+        pod = self.get(PODS, namespace, name)
+        if not budgets.may_skip_budgets(pod):
+            blocked_by = self.eviction_blocks.get((namespace, name))
+            if blocked_by is not None:
+                raise budgets.budget_refusal(blocked_by, 1, 1)
+            budgets.eviction_check(
+                pod,
+                [b for k, b in self.store.items(POD_DISRUPTION_BUDGETS.storage).items() if k[0] == namespace],
+                (p for k, p in self.store.items(PODS.storage).items() if k[0] == namespace),
+            )
+        self._check_preconditions(PODS, pod, options)
+        self._add_disruption_target(pod)
+        # The condition's write moved the resourceVersion on; the handler moves a
+        # resourceVersion precondition with it (addConditionAndDeletePod).
+        self.delete(PODS, namespace, name, replace(options, resource_version=None), from_client=True)
+
+    def _add_disruption_target(self, pod: dict[str, Any]) -> None:
+        """Sets the DisruptionTarget condition as podutil.UpdatePodCondition does: it replaces an
+        older one, keeping its lastTransitionTime when the status stays True; no change, no write."""
+        status = pod.get("status") or {}
+        condition: dict[str, Any] = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "lastProbeTime": None,
+            "lastTransitionTime": timestamp(self._clock()),
+            "reason": "EvictionByEvictionAPI",
+            "message": "Eviction API: evicting",
+        }
+        conditions = list(status.get("conditions") or [])
+        for i, old in enumerate(conditions):
+            if old.get("type") == condition["type"]:
+                if old.get("status") == condition["status"] and old.get("lastTransitionTime"):
+                    condition["lastTransitionTime"] = old["lastTransitionTime"]
+                conditions[i] = condition
+                break
+        else:
+            conditions.append(condition)
+        self._update(PODS, pod, {**pod, "status": {**status, "conditions": conditions}}, "status")
+
+    def _check_preconditions(self, resource: Resource, old: dict[str, Any], options: DeleteOptions) -> None:
+        name = old["metadata"]["name"]
         if options.uid is not None and options.uid != old["metadata"]["uid"]:
             raise conflict(
                 resource.qualified,
@@ -297,48 +378,6 @@ class Registry:
                 "Precondition failed: ResourceVersion in precondition: "
                 f"{options.resource_version}, ResourceVersion in object meta: {old['metadata']['resourceVersion']}",
             )
-        grace = self._grace_period(resource, old, options) if from_client else 0
-        if grace > 0:
-            return self._mark_deleted(resource, old, grace)
-        if old["metadata"].get("finalizers"):
-            return self._mark_deleted(resource, old, 0)
-        if resource is NAMESPACES:
-            self._delete_namespace_contents(name)
-        return self.store.remove(resource.storage, key)
-
-    def evict(self, namespace: str, name: str, eviction: dict[str, Any]) -> None:
-        """POST pods/<name>/eviction: deletes the pod unless a disruption budget blocks it (429)."""
-        if not isinstance(eviction, dict):
-            raise bad_request("the request body must be a policy/v1 Eviction")
-        # As for any body, a missing kind defaults to the endpoint's.
-        if eviction.get("kind", "Eviction") != "Eviction":
-            raise bad_request(f"kind: expected Eviction, got {eviction.get('kind')!r}")
-        meta = eviction.get("metadata") or {}
-        if meta.get("name") != name:
-            raise bad_request(f"name in URL does not match name in Eviction object: {meta.get('name')!r} != {name!r}")
-        if meta.get("namespace", namespace) != namespace:
-            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
-        pod = self.get(PODS, namespace, name)
-        phase = (pod.get("status") or {}).get("phase")
-        budget = self.eviction_blocks.get((namespace, name))
-        # Pods that are not running (yet or any more) may always be evicted, as in the eviction REST handler.
-        if budget is not None and phase not in ("Pending", "Succeeded", "Failed"):
-            raise ApiError(
-                429,
-                "Cannot evict pod as it would violate the pod's disruption budget.",
-                details={
-                    "causes": [
-                        {
-                            "reason": "DisruptionBudget",
-                            "message": f"The disruption budget {budget} needs 1 healthy pods and has 1 currently",
-                        }
-                    ]
-                },
-            )
-        options = DeleteOptions.parse(eviction.get("deleteOptions"), None)
-        if pod["metadata"].get("deletionTimestamp") and options.grace_period_seconds is None:
-            return
-        self.delete(PODS, namespace, name, options, from_client=True)
 
     def _grace_period(self, resource: Resource, obj: dict[str, Any], options: DeleteOptions) -> int:
         if resource is not PODS or not self.graceful_pod_deletion:
@@ -352,13 +391,21 @@ class Registry:
         return int(spec.get("terminationGracePeriodSeconds", 30))
 
     def _mark_deleted(self, resource: Resource, old: dict[str, Any], grace: int) -> dict[str, Any]:
+        """Sets deletionTimestamp (now + grace) and deletionGracePeriodSeconds, or shortens the
+        grace of an object already terminating: its deletionTimestamp moves to the original
+        request's time plus the new grace, and the generation stays (rest.BeforeDelete)."""
         meta = old["metadata"]
-        if meta.get("deletionTimestamp") and grace >= meta.get("deletionGracePeriodSeconds", 0):
-            return old  # already terminating with a shorter or equal grace period
         marked = {**old, "metadata": dict(meta)}
-        marked["metadata"]["deletionTimestamp"] = timestamp(self._clock() + timedelta(seconds=grace))
+        if meta.get("deletionTimestamp"):
+            current = meta.get("deletionGracePeriodSeconds") or 0
+            if grace >= current:
+                return old
+            requested = parse_timestamp(meta["deletionTimestamp"]) - timedelta(seconds=current)
+            marked["metadata"]["deletionTimestamp"] = timestamp(requested + timedelta(seconds=grace))
+        else:
+            marked["metadata"]["deletionTimestamp"] = timestamp(self._clock() + timedelta(seconds=grace))
+            marked["metadata"]["generation"] = meta.get("generation", 1) + 1
         marked["metadata"]["deletionGracePeriodSeconds"] = grace
-        marked["metadata"]["generation"] = meta.get("generation", 1) + 1
         return self.store.put(resource.storage, marked)
 
     def _delete_namespace_contents(self, namespace: str) -> None:

@@ -40,6 +40,9 @@ _NODE_LISTS: dict[str, str | None] = {
     "status.addresses": "type",
 }
 _NAMESPACE_LISTS: dict[str, str | None] = {**_META_LISTS, "status.conditions": "type"}
+_BUDGET_LISTS: dict[str, str | None] = {**_META_LISTS, "status.conditions": "type"}
+# policy/v1 PodDisruptionBudgetStatus: these four counts are always serialized (no omitempty).
+_BUDGET_STATUS = {"disruptionsAllowed": 0, "currentHealthy": 0, "desiredHealthy": 0, "expectedPods": 0}
 
 # core/v1 Event fields under their events.k8s.io/v1 names: the two APIs serve one stored object.
 _EVENT_RENAMES = {
@@ -91,6 +94,8 @@ class Resource:
     """Whether PUT of a missing object creates it (Events do)."""
     reset_status_on_create: dict[str, Any] | None = None
     """Status the server sets on create over HTTP, ignoring the client's (Pods start Pending)."""
+    default_status: dict[str, Any] | None = None
+    """Status an in-process create without one gets, as the server's defaulting fills it in."""
     field_labels: frozenset[str] = frozenset({"metadata.name", "metadata.namespace"})
     """Fields a fieldSelector may name; any other gives 400 as on the real server."""
     field_defaults: Mapping[str, str] = field(default_factory=dict)
@@ -171,6 +176,7 @@ NAMESPACES = Resource(
     storage="namespaces",
     status_subresource=True,
     reset_status_on_create={"phase": "Active"},
+    default_status={"phase": "Active"},
     field_labels=frozenset({"metadata.name", "status.phase"}),
     merge_lists=_NAMESPACE_LISTS,
 )
@@ -234,7 +240,21 @@ LEASES = Resource(
     unconditional_update=False,
 )
 
-ALL = (PODS, NODES, NAMESPACES, EVENTS, EVENTS_V1, LEASES)
+POD_DISRUPTION_BUDGETS = Resource(
+    "policy",
+    "v1",
+    "poddisruptionbudgets",
+    "PodDisruptionBudget",
+    namespaced=True,
+    storage="poddisruptionbudgets",
+    status_subresource=True,
+    # The strategy clears a created budget's status; the disruption controller fills it in.
+    reset_status_on_create=_BUDGET_STATUS,
+    default_status=_BUDGET_STATUS,
+    merge_lists=_BUDGET_LISTS,
+)
+
+ALL = (PODS, NODES, NAMESPACES, EVENTS, EVENTS_V1, LEASES, POD_DISRUPTION_BUDGETS)
 
 # The stored (canonical) API of each storage, used by the in-process test API.
 CANONICAL = {r.storage: r for r in ALL if r.to_wire is None}

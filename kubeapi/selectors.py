@@ -62,6 +62,55 @@ def _split_terms(text: str) -> list[str]:
     return [t.strip() for t in terms]
 
 
+_EXPRESSION_OPS = {"In": "in", "NotIn": "notin", "Exists": "exists", "DoesNotExist": "!"}
+
+
+def selector_from_object(selector: Any) -> LabelSelector | None:
+    """A metav1.LabelSelector object (`matchLabels`, `matchExpressions`) as LabelSelector, as
+    LabelSelectorAsSelector reads it: None for a null selector, which matches nothing; `{}`
+    matches everything. Raises ValueError naming the field that is wrong."""
+    if selector is None:
+        return None
+    if not isinstance(selector, Mapping):
+        raise ValueError(f"selector: must be an object, got {selector!r}")
+    requirements: list[Requirement] = []
+    match_labels = selector.get("matchLabels") or {}
+    if not isinstance(match_labels, Mapping):
+        raise ValueError("selector.matchLabels: must be a map of strings")
+    for key, value in match_labels.items():
+        if not isinstance(value, str) or not _is_key(key) or not _is_value(value):
+            raise ValueError(f"selector.matchLabels: invalid label {key!r}: {value!r}")
+        requirements.append(Requirement(key, "=", frozenset({value})))
+    expressions = selector.get("matchExpressions") or []
+    if not isinstance(expressions, list):
+        raise ValueError("selector.matchExpressions: must be a list")
+    for i, expression in enumerate(expressions):
+        where = f"selector.matchExpressions[{i}]"
+        if not isinstance(expression, Mapping):
+            raise ValueError(f"{where}: must be an object")
+        key, op, values = expression.get("key"), expression.get("operator"), expression.get("values") or []
+        if not isinstance(key, str) or not _is_key(key):
+            raise ValueError(f"{where}.key: invalid label key {key!r}")
+        if op not in _EXPRESSION_OPS:
+            raise ValueError(f"{where}.operator: {op!r} is not a valid selector operator")
+        if not isinstance(values, list) or not all(isinstance(v, str) and _is_value(v) for v in values):
+            raise ValueError(f"{where}.values: must be a list of label values")
+        if op in ("In", "NotIn") and not values:
+            raise ValueError(f"{where}.values: must be specified when `operator` is 'In' or 'NotIn'")
+        if op in ("Exists", "DoesNotExist") and values:
+            raise ValueError(f"{where}.values: may not be specified when `operator` is 'Exists' or 'DoesNotExist'")
+        requirements.append(Requirement(key, _EXPRESSION_OPS[op], frozenset(values)))
+    return LabelSelector(tuple(requirements))
+
+
+def _is_key(key: Any) -> bool:
+    return isinstance(key, str) and bool(_LABEL_KEY.match(key)) and len(key.rsplit("/", 1)[-1]) <= 63
+
+
+def _is_value(value: str) -> bool:
+    return bool(_LABEL_VALUE.match(value)) and len(value) <= 63
+
+
 _SET_TERM = re.compile(r"^(?P<key>\S+)\s+(?P<op>in|notin)\s*\((?P<values>[^()]*)\)$")
 _EQ_TERM = re.compile(r"^(?P<key>[^=!\s]+)\s*(?P<op>==|=|!=)\s*(?P<value>[^=!\s]*)$")
 
@@ -83,13 +132,13 @@ def _parse_requirement(term: str) -> Requirement:
 
 
 def _key(key: str) -> str:
-    if not _LABEL_KEY.match(key) or len(key.rsplit("/", 1)[-1]) > 63:
+    if not _is_key(key):
         raise bad_request(f"unable to parse requirement: invalid label key {key!r}")
     return key
 
 
 def _value(value: str) -> str:
-    if not _LABEL_VALUE.match(value) or len(value) > 63:
+    if not _is_value(value):
         raise bad_request(f"unable to parse requirement: invalid label value: {value!r}")
     return value
 

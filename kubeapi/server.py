@@ -58,7 +58,8 @@ class RecordedRequest(NamedTuple):
 
 
 class FakeKubeAPI:
-    """A Kubernetes API server stand-in: nodes, pods, events, leases, namespaces over HTTP."""
+    """A Kubernetes API server stand-in: nodes, pods, events, leases, namespaces and
+    PodDisruptionBudgets over HTTP."""
 
     def __init__(
         self,
@@ -213,7 +214,9 @@ class FakeKubeAPI:
         return sorted(self.list("Event", namespace), key=lambda e: int(e["metadata"]["resourceVersion"]))
 
     def block_eviction(self, namespace: str, name: str, budget: str = "pdb") -> None:
-        """Evicting this pod answers 429 as if the PodDisruptionBudget `budget` had no room."""
+        """Evicting this pod answers 429 as if the PodDisruptionBudget `budget` had no room,
+        whatever PodDisruptionBudget objects say (a pod not running, or already terminating,
+        may still be evicted)."""
         self._registry.eviction_blocks[(namespace, name)] = budget
 
     def unblock_eviction(self, namespace: str, name: str) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kubeapi.budgets import budget_causes
 from kubeapi.errors import bad_request, invalid
 from kubeapi.event_rules import event_causes
-from kubeapi.resources import NAMESPACES, Resource
+from kubeapi.resources import NAMESPACES, POD_DISRUPTION_BUDGETS, Resource
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -70,5 +71,9 @@ def validate(resource: Resource, obj: dict[str, Any], *, creating: bool) -> None
             )
     if resource.storage == "events":
         causes = event_causes(obj, events_api=resource.from_wire is not None, creating=creating)
+        if causes:
+            raise invalid(resource.kind, meta["name"], resource.group, causes)
+    if resource is POD_DISRUPTION_BUDGETS:
+        causes = budget_causes(obj)
         if causes:
             raise invalid(resource.kind, meta["name"], resource.group, causes)

@@ -89,10 +89,28 @@ class AgentKeys:
     def update_member_soon(self, round: int, restart_count: int) -> None:
         """Record the agent's round, restart count and probation in its member key, off the
         critical path."""
-        self.member = dataclasses.replace(
-            self.member, round=round, restart_count=restart_count, not_before=self.not_before
+        self._member_changed(
+            dataclasses.replace(self.member, round=round, restart_count=restart_count, not_before=self.not_before)
         )
+
+    def note_leaving_soon(self, since: float, by: float) -> None:
+        """Record in the member key that this agent was told to stop at ``since`` and must be
+        gone by ``by`` (unix times): the controller's cue for a planned leave."""
+        self._member_changed(dataclasses.replace(self.member, leaving_since=since, leaving_by=by))
+
+    async def start_over(self) -> None:
+        """Become a new agent of the same node (a new registration time, so a new agent id):
+        the old one is the agent a round left out, and a round never admits that one again.
+        The member key (same lease) says so at once; the next join record asks as the new one."""
+        self.member = dataclasses.replace(self.member, round=0, joined_at=time.time())
+        self.me = dataclasses.replace(self.me, agent=agent_id(self.member))
         self._leased[self._member_key] = self.member.to_json()
+        if self._keeper is not None:
+            await self._put_leased(self._member_key, self._leased[self._member_key])
+
+    def _member_changed(self, member: MemberRecord) -> None:
+        self.member = member
+        self._leased[self._member_key] = member.to_json()
         if self._member_update is None or self._member_update.done():
             self._member_update = asyncio.create_task(self._write_member(), name=f"rdzv-member-{self.me.node}")
 

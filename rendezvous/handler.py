@@ -12,6 +12,7 @@ stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this o
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -30,12 +31,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
+from regroup.exit_codes import LEFT_JOB
 from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
 from regroup.rendezvous.agent import AgentKeys
 from regroup.rendezvous.connection import Shared
 from regroup.rendezvous.decisions import Bounds, JobView, count_waiting, round_abandoned, usable_expected
-from regroup.rendezvous.joining import ExcludedFromRound, JoinLoop
+from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinLoop
 from regroup.rendezvous.ports import master_port
 from regroup.rendezvous.settings import RendezvousSettings
 from regroup.rendezvous.store import RoundAbandoned, RoundStore, round_prefix
@@ -60,13 +62,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         """``shared``: a connection several handlers of one process use (default: its own).
-        ``exit_when_excluded``: leave with ``SystemExit(0)`` instead of raising
-        ``ExcludedFromRound`` (what torchrun needs, see ``next_rendezvous``).
+        ``exit_when_excluded``: see the attribute.
         ``tracer_provider``: where the ``regroup.rendezvous.join`` spans go (default: global)."""
         self._settings = settings
         self._tracer_provider = tracer_provider
         self._tracer = trace.get_tracer("regroup.rendezvous", tracer_provider=tracer_provider)
-        self._exit_when_excluded = exit_when_excluded
+        self.exit_when_excluded = exit_when_excluded
+        """Leave the process with ``SystemExit(LEFT_JOB)`` instead of raising ``ExcludedFromRound``
+        or ``ExcludedTooLong``: what torch's agent needs, which cannot rejoin (see
+        ``next_rendezvous``). The in-place agent turns it off: it stays and asks to be let back in."""
+        self._leaving = ""
+        self._leave_by: float | None = None
         self._owns_shared = shared is None
         self._shared = shared or Shared.open(settings)
         self._keys = AgentKeys(self._shared.connection, settings)
@@ -139,6 +145,51 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         expected = usable_expected(self.view, self._bounds)
         return expected is not None and self.node not in expected.nodes
 
+    def in_round(self) -> bool:
+        """This agent's workers hold ranks of the job that a planned leave would hand over: it
+        has a rank in the last formed round, or that round left it out and its workers are
+        still in the one before (their hand-off is still to come)."""
+        view = self.view
+        state = view.state
+        if state is None or state.closed or not self._round:
+            return False
+        agent = self._keys.me.agent
+        return view.rank_of(agent) is not None or agent in state.excluded
+
+    def notice_leaving(self, since: float, by: float, stop_at: float, reason: str) -> None:
+        """This agent was told to stop (SIGTERM) at ``since`` and must be gone by ``by``: say so
+        in its member record (``leaving_since``, ``leaving_by``: the controller's cue for a
+        planned leave), and let no wait for a round go on past ``stop_at``. From then on a
+        shutdown leaves the job alone. Unix times. Safe to call from a signal handler while
+        this handler's rendezvous runs: it only hands the work to the loop thread."""
+        self._leaving = f"told to stop: {reason}"
+        self._leave_by = by
+        try:
+            self._shared.loop.loop.call_soon_threadsafe(self._note_leaving, since, by, stop_at, reason)
+        except RuntimeError:
+            pass  # the loop is closed: this agent has left already
+
+    def _note_leaving(self, since: float, by: float, stop_at: float, reason: str) -> None:
+        log.warning(
+            "leaving the job on notice", job=self._settings.job.job, node=self.node, round=self._round,
+            leaving_by=by, stop_at=stop_at, reason=reason,
+        )  # fmt: skip
+        self._keys.note_leaving_soon(since, by)
+        self._joining.stop_by(stop_at, reason)
+
+    def start_over(self, reason: str) -> None:
+        """This agent was left out of the round (``ExcludedFromRound``) and was not told to
+        stop: it stays, as a new agent of its node that asks to join the next round (the round
+        never admits the agent it left out). The controller lets it back in, or keeps it out
+        while its node is leaving (``control/excluded``); after ``excluded_timeout`` without a
+        place the next join raises ``ExcludedTooLong``."""
+        self._round = 0
+        self._store = None
+        self._stepped_out = None
+        self._restart_requested = False
+        self._joining.left_out(reason)
+        self._shared.loop.run(self._keys.start_over(), self._settings.timeouts.close)
+
     def step_out(self) -> None:
         """This node's workers failed and are being restarted: say so at once, with a join
         record for the next round that asks not to be counted, so the others re-form without
@@ -181,7 +232,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """Join the next round and return this agent's rank, the world size and a fresh store.
 
         Raises ``ExcludedFromRound`` (a ``RendezvousGracefulExitError``) when the controller's
-        expected membership leaves this node out.
+        expected membership leaves this node out, ``ExcludedTooLong`` when it stayed out of the
+        job's rounds for ``excluded_timeout``, and ``JoinStopped`` once told to stop
+        (``notice_leaving``). With ``exit_when_excluded`` the first two leave the process
+        with ``SystemExit(LEFT_JOB)`` instead.
 
         ``restart_count`` counts the calls after the first that were not asked for by
         ``num_nodes_waiting()``: torchrun's agent re-enters the rendezvous either because
@@ -241,7 +295,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._shared.connection,
                 prefix,
                 STORE_TIMEOUT,
-                abandoned=lambda n=number: round_abandoned(self.view, n),  # type: ignore[misc]
+                abandoned=functools.partial(self._abandoned, number),
             )
             try:
                 # Rank 0 publishes MASTER_ADDR/PORT in the round's store; the others wait for it.
@@ -272,15 +326,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _join_round(self, timeout: timedelta) -> tuple[int, int, int]:
         try:
             return self._shared.loop.run(self._rendezvous(), timeout)
-        except ExcludedFromRound as exc:
-            if not self._exit_when_excluded:
+        except (ExcludedFromRound, ExcludedTooLong) as exc:
+            if not self.exit_when_excluded:
                 raise
-            # torch 2.13's launcher turns RendezvousGracefulExitError into an AttributeError
-            # (agent.run() returns None) and exits 1; SystemExit(0) is what it lets through as 0.
+            # torch's agent cannot rejoin: it leaves a job that goes on, never with 0, which
+            # would mark an Indexed Job's, JobSet's or PyTorchJob's pod succeeded for good.
+            # (torch 2.13's launcher turns RendezvousGracefulExitError into an AttributeError
+            # and exits 1; a SystemExit is what it lets through with its code.)
             log.warning(
-                "left out of the next round; exiting", job=self._settings.job.job, node=self.node, reason=str(exc)
-            )
-            raise SystemExit(0) from exc
+                "left out of the next round; exiting", job=self._settings.job.job, node=self.node, reason=str(exc),
+                exit_code=LEFT_JOB,
+            )  # fmt: skip
+            raise SystemExit(LEFT_JOB) from exc
+
+    def _abandoned(self, number: int) -> str:
+        """Why this agent waits no longer for round ``number``'s store ("" while it may): the
+        round can no longer start, or this agent, told to stop, may not wait any longer."""
+        return round_abandoned(self.view, number) or self._joining.stopped(time.time())
 
     def is_closed(self) -> bool:
         state = self.view.state
@@ -323,18 +385,25 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # Only a job that is over is closed: this agent's workers succeeded, or no round ever
         # formed. An agent that fails (its workers past --max-restarts, a store timeout) leaves
         # alone: closing would end an elastic job for every survivor and every later pod.
-        close = not self._joining.alone and (finished or state is None or state.round == 0)
+        # An agent told to stop leaves alone too, unless its workers finished first.
+        alone = self._leaving or self._joining.alone
+        close = finished or (not alone and (state is None or state.round == 0))
         try:
             if close and not self.is_closed():
                 self._shared.loop.run(self._joining.set_closed(), self._settings.timeouts.close)
                 log.info("rendezvous closed: the job is over", job=self._settings.job.job, node=self.node)
             elif not close:
-                log.info("leaving the job alone; the run stays open", node=self.node, why=self._joining.alone or "its workers did not finish")
+                why = alone or "its workers did not finish"
+                log.info("leaving the job alone; the run stays open", node=self.node, why=why)
         except (TimeoutError, *ETCD_ERRORS) as exc:
             ok = False
             log.warning("closing the rendezvous failed", node=self.node, error=str(exc))
+        limit = self._settings.timeouts.close
+        if self._leave_by is not None:
+            # Told to stop: the lease, which expires anyway, is not worth the kubelet's SIGKILL.
+            limit = min(limit, timedelta(seconds=max(0.5, self._leave_by - time.time() - 0.5)))
         try:
-            ok = self._shared.loop.run(self._keys.leave(), self._settings.timeouts.close) and ok
+            ok = self._shared.loop.run(self._keys.leave(), limit) and ok
         except (TimeoutError, *ETCD_ERRORS) as exc:
             ok = False
             log.warning("leaving the rendezvous failed; the lease will expire", node=self.node, error=str(exc))

@@ -2,8 +2,8 @@
 
 It applies the steps ``regroup.rendezvous.decisions.plan_join`` decides (write the join record,
 close the round, wait for the view to change) until the agent has a rank, and turns the
-steps that end its rendezvous (left out, closed, conflicting bounds, timeouts) into
-torch's rendezvous errors.
+steps that end its rendezvous (left out, closed, conflicting bounds, timeouts, a stop on
+notice) into torch's rendezvous errors.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
+from regroup.exit_codes import LEFT_JOB
 from regroup.rendezvous.agent import AgentKeys, DuplicateNode
 from regroup.rendezvous.decisions import Bounds, plan_join
 from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
@@ -32,7 +33,29 @@ log = structlog.get_logger("rendezvous")
 
 
 class ExcludedFromRound(RendezvousGracefulExitError):
-    """The controller's expected membership left this node out; its agent exits cleanly."""
+    """The controller's expected membership left this node out of the next round. The
+    in-place agent stays and asks to be let back in; torch's agent exits ``LEFT_JOB``."""
+
+
+class ExcludedTooLong(RendezvousError):
+    """This agent stayed out of the job's rounds (left out of one, or its node listed in
+    ``control/excluded``) for ``excluded_timeout``: it leaves the job (``LEFT_JOB``)."""
+
+
+class JoinStopped(RendezvousError):
+    """The agent was told to stop (SIGTERM) and may not wait for a round any longer."""
+
+
+class LeftJob(SystemExit):
+    """This agent leaves a job that goes on: it exits ``LEFT_JOB`` (75), never 0, which
+    would mark the pod of an Indexed Job, a JobSet or a PyTorchJob succeeded for good."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(LEFT_JOB)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 class JoinLoop:
@@ -51,6 +74,12 @@ class JoinLoop:
         ``shutdown`` does not close the run for the others."""
         self.waiting = ""
         """What the join waits on right now ("" while it is not waiting)."""
+        self.left_out_at: float | None = None
+        """Unix time this agent was left out of a round against its will (not told to stop),
+        until it has a place again: ``excluded_timeout`` counts from then."""
+        self.stop_at: float | None = None
+        """Unix time after which the agent, told to stop, may not wait for a round any longer."""
+        self.stop_reason = ""
 
     @property
     def node(self) -> str:
@@ -67,10 +96,15 @@ class JoinLoop:
         while True:
             try:
                 version = watch.version
+                stopped = self.stopped(time.time())
+                if stopped:
+                    self.alone = stopped
+                    raise JoinStopped(f"node {self.node}: {stopped}")
                 step = plan_join(watch.view, self._keys.me, joined_for, time.time(), self._bounds, seat=self.seat)
                 self._note(step)
                 if isinstance(step, Done):
-                    self.seat = None
+                    self.seat = self.left_out_at = None
+                    self.alone = ""
                     return step
                 if isinstance(step, PutJoin):
                     self.seat = None  # the new record replaces the one left when stepping out
@@ -97,19 +131,31 @@ class JoinLoop:
                         )
                     await watch.caught_up(revision, 2.0)
                 elif isinstance(step, Wait):
-                    remaining = deadline - loop.time()
                     if step.excluded:
                         self.alone = step.reason
                         excluded_since = loop.time() if excluded_since is None else excluded_since
-                        limit = self._settings.timeouts.excluded.total_seconds()
-                        if loop.time() - excluded_since >= limit:
-                            raise RendezvousError(
-                                f"rendezvous {self._settings.job.job}: {step.reason}; still excluded after "
-                                f"excluded_timeout {limit:.0f}s, exiting so the pod's restart policy applies"
-                            )
-                        remaining = min(remaining, excluded_since + limit - loop.time())
                     else:
-                        excluded_since, self.alone = None, ""
+                        excluded_since = None
+                        if self.left_out_at is None:
+                            self.alone = ""
+                    remaining = deadline - loop.time()
+                    if step.excluded or self.left_out_at is not None:
+                        # Out of the job, not late: excluded_timeout applies, join_timeout does not.
+                        out_for = max(
+                            loop.time() - excluded_since if excluded_since is not None else 0.0,
+                            time.time() - self.left_out_at if self.left_out_at is not None else 0.0,
+                        )
+                        limit = self._settings.timeouts.excluded.total_seconds()
+                        if out_for >= limit:
+                            raise ExcludedTooLong(
+                                f"rendezvous {self._settings.job.job}: {self.alone or step.reason}; out of the job "
+                                f"for excluded_timeout {limit:g}s, leaving it (exit {LEFT_JOB}) so the pod's "
+                                "restart policy applies"
+                            )
+                        deadline = max(deadline, loop.time() + self._settings.timeouts.join.total_seconds())
+                        remaining = limit - out_for
+                    if self.stop_at is not None:
+                        remaining = min(remaining, max(0.0, self.stop_at - time.time()) + 0.01)
                     if remaining <= 0:
                         raise RendezvousTimeoutError(
                             f"rendezvous {self._settings.job.job}: no round formed within join_timeout "
@@ -135,6 +181,26 @@ class JoinLoop:
                 log.warning("etcd request failed during rendezvous; retrying", node=self.node, error=str(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def left_out(self, reason: str) -> None:
+        """This agent was left out of a round and stays to be let back in: the join waits for
+        that at most ``excluded_timeout`` from now, and a shutdown meanwhile leaves the job alone."""
+        self.left_out_at = time.time()
+        self.alone = reason
+
+    def stop_by(self, at: float, reason: str) -> None:
+        """Told to stop: no wait for a round goes on past ``at`` (unix time); a join then
+        raises ``JoinStopped``. Runs on the loop: it wakes every wait of this agent at once
+        and again at ``at``."""
+        self.stop_at, self.stop_reason = at, reason
+        self._watch.poke()
+        asyncio.get_running_loop().call_later(max(0.0, at - time.time()) + 0.01, self._watch.poke)
+
+    def stopped(self, now: float) -> str:
+        """Why this agent may not wait for a round any longer ("" while it may)."""
+        if self.stop_at is None or now < self.stop_at:
+            return ""
+        return self.stop_reason or "told to stop"
 
     async def set_closed(self) -> None:
         """Compare-and-set the round state to closed, retrying until it is (by anyone)."""

@@ -96,6 +96,14 @@ class JobWatch:
         finally:
             self._waiters -= 1
 
+    def poke(self) -> None:
+        """Wake every waiter now, with the view unchanged, so it re-decides (on the loop):
+        for a decision that depends on more than the view (the agent was told to stop). What
+        the view shows as caught up stays as it was: a publish may be pending."""
+        self.version += 1
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
     async def caught_up(self, revision: int, timeout: float) -> None:
         """Wait until the mirror has seen ``revision`` (a write of ours), at most ``timeout``."""
         loop = asyncio.get_running_loop()

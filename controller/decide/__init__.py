@@ -22,7 +22,7 @@ from regroup.controller.decide.out import Out, summarize
 from regroup.controller.decide.phases import advance
 from regroup.controller.decide.situation import Situation
 from regroup.controller.decide.start import start
-from regroup.controller.decide.writes import finish
+from regroup.controller.decide.writes import finish, withdraw_stale_checkpoint
 from regroup.controller.disruption import pod_notices
 from regroup.controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig
 from regroup.controller.settings import ControllerSettings
@@ -68,6 +68,7 @@ def _finished(
     """The agents closed the rendezvous: training is over. Nothing to re-form, ever."""
     if s.plan is not None and s.plan.phase != ReformPhase.DONE:
         finish(s, s.plan, now, ReformOutcome.SUPERSEDED, out, "the job finished (its rendezvous is closed)")
+    withdraw_stale_checkpoint(s, out)
     reason = "finished: the job's rendezvous is closed"
     write_status(s, out, "finished", reason, world, config, now)
     return out.decision(reason, len(world), config, Alerts(flapping=flaps, rendezvous_on_gpu=gpu))
@@ -85,7 +86,11 @@ def _running(
     gpu: bool,
 ) -> Decision:
     """A configured, running job: advance the re-form in flight, or start one if needed."""
-    health = assess(s, world, config, now, pod_notices(s.disrupted.values(), resolved.workers_by_node, s.first_seen, now))
+    min_grace = settings.reform.min_planned_grace.total_seconds()
+    notices = pod_notices(s.disrupted.values(), resolved.workers_by_node, s.first_seen, now, min_grace)
+    health = assess(s, world, config, now, notices, min_grace)
+    if health.turns_lost_at is not None:
+        out.again_in(health.turns_lost_at - now)  # a leave with time left becomes a loss then
     restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
     keep_exclusions(s, config, health, now, out)
     joiners = waiting_joiners(s, world, health, now, out)
@@ -102,6 +107,7 @@ def _running(
             reason = f"{reason}; then {then}"
     else:
         reason, stalled = start(sit, world, joiners, resolved.newest)
+    withdraw_stale_checkpoint(s, out)
     reforming = (in_flight and not out.abandoned) or out.started()
     state = "stalled" if stalled else ("reforming" if reforming else "healthy")
     live = world - health.lost.keys() if health.lost else world

@@ -1,5 +1,10 @@
 """The job's nodes at this moment: lost, leaving (reclaim notices), storming, or joining.
 
+A node is leaving under its own notice (a reclaim taint, a cordon), its pod's (a
+disruption condition, a deletion with time left) or its agent's (``leaving_by``); the one
+that ends first counts. A pod deletion or an agent's leave with too little time left
+(``ReformSettings.min_planned_grace``) is a loss instead.
+
 Also the writes that follow from that alone, whatever the re-form: cordons for restart
 storms and ``control/excluded`` for the leaving nodes.
 """
@@ -12,7 +17,7 @@ from collections.abc import Set as AbstractSet
 
 from regroup.controller.cluster import ObjectRef, PodInfo
 from regroup.controller.decide.out import Out
-from regroup.controller.disruption import PodNotice
+from regroup.controller.disruption import AgentNotice, PodNotice, agent_notice
 from regroup.controller.exclusions import LeavingNodes, exclusions_update
 from regroup.controller.jobconfig import JobConfig
 from regroup.controller.settings import ControllerSettings
@@ -33,7 +38,7 @@ class Health:
     A plain class with slots: made once per decision, where a dataclass's ``__init__``
     tested each of its six default factories in turn."""
 
-    __slots__ = ("lost", "lost_since", "storm", "notices", "seen", "pods")
+    __slots__ = ("lost", "lost_since", "storm", "notices", "seen", "pods", "agents", "turns_lost_at")
 
     def __init__(self, pods: dict[str, PodNotice] | None = None) -> None:
         self.lost: dict[str, str] = {}
@@ -44,8 +49,13 @@ class Health:
         self.seen: dict[str, float] = {}
         """node -> when the controller first saw its notice (the detect phase starts there)."""
         self.pods: dict[str, PodNotice] = pods if pods is not None else {}
-        """node -> the disruption notice of the job's pod there (``DisruptionTarget``), even
-        when the pod is already terminating (it keeps the node excluded)."""
+        """node -> the notice of the job's going pod there (``DisruptionTarget``, deletion),
+        even once it is a loss (it keeps the node excluded)."""
+        self.agents: dict[str, AgentNotice] = {}
+        """node -> the leave its agent announced, even once it is a loss (it keeps the node excluded)."""
+        self.turns_lost_at: float | None = None
+        """The earliest moment a pod's deletion or an agent's leave found here turns from a
+        notice into a loss (the decision looks again then)."""
 
 
 def world_of(s: JobSnapshot) -> AbstractSet[str]:
@@ -63,9 +73,15 @@ def world_of(s: JobSnapshot) -> AbstractSet[str]:
 
 
 def assess(
-    s: JobSnapshot, world: AbstractSet[str], config: JobConfig, now: float, disruptions: dict[str, PodNotice]
+    s: JobSnapshot,
+    world: AbstractSet[str],
+    config: JobConfig,
+    now: float,
+    disruptions: dict[str, PodNotice],
+    min_grace: float,
 ) -> Health:
-    """Classify the round's nodes and the members outside it; ``disruptions`` are the pods' notices."""
+    """Classify the round's nodes and the members outside it; ``disruptions`` are the pods'
+    notices, ``min_grace`` the seconds of a deletion or leave below which it is a loss."""
     health = Health(pods=disruptions)
     pods = s.pods_by_name
     members, nodes, world_round = s.members, s.nodes, s.world_round
@@ -84,11 +100,15 @@ def assess(
                 and not info.taints
                 and not info.unschedulable
                 and node not in disruptions
+                and not member.leaving_by
             ):
                 continue
-        lost, since = _member_loss(s, node, member, world, pods, now)
+        agent = agent_notice(node, member, s.first_seen, now, min_grace) if member is not None else None
+        if agent is not None:
+            health.agents[node] = agent
+        lost, since = _member_loss(s, node, member, world, pods, disruptions, agent, now)
         if lost is None:
-            lost, since = _node_notice(s, node, config, cached, health, now)
+            lost, since = _node_notice(s, node, config, cached, health, agent, now)
         if lost is not None:
             health.lost[node] = lost
             health.lost_since[node] = min(since, now)
@@ -113,9 +133,13 @@ def _member_loss(
     member: MemberRecord | None,
     world: AbstractSet[str],
     pods: Mapping[str, PodInfo],
+    disruptions: Mapping[str, PodNotice],
+    agent: AgentNotice | None,
     now: float,
 ) -> tuple[str | None, float]:
-    """Why the node's member (its agent or pod) is gone, and since when; (None, now) if it is not."""
+    """Why the node's member (its agent or pod) is gone, and since when; (None, now) if it is
+    not. A pod being deleted, or an agent leaving, with time left to hand over is not gone:
+    it is a notice (``_node_notice``)."""
     if member is None:
         return "member lease expired", s.first_seen.get(signal_key(node, "member-gone"), now)
     if node in world and node in s.world_agents and member.joined_at != s.world_agents[node]:
@@ -126,16 +150,28 @@ def _member_loss(
         if pod is None and s.pods_synced:
             return f"pod {member.pod} deleted", s.first_seen.get(signal_key(node, "pod-gone"), now)
         if pod is not None and pod.deleting:
-            return f"pod {member.pod} deleted or evicted", s.first_seen.get(signal_key(node, "pod-gone"), now)
+            notice = disruptions.get(node)
+            if notice is None or notice.pod.name != pod.name:
+                return f"pod {member.pod} deleted or evicted", s.first_seen.get(signal_key(node, "pod-gone"), now)
+            if notice.lost is not None:
+                return notice.lost, s.first_seen.get(signal_key(node, "pod-gone"), now)
         if pod is not None and pod.phase in ("Failed", "Succeeded"):
             return f"pod {member.pod} {pod.phase}", now
+    if agent is not None and agent.lost is not None:
+        return agent.lost, now
     return None, now
 
 
 def _node_notice(
-    s: JobSnapshot, node: str, config: JobConfig, cached: Mapping | None, health: Health, now: float
+    s: JobSnapshot,
+    node: str,
+    config: JobConfig,
+    cached: Mapping | None,
+    health: Health,
+    agent: AgentNotice | None,
+    now: float,
 ) -> tuple[str | None, float]:
-    """The node's own verdict (lost, or a reclaim notice), and its pod's disruption notice:
+    """The node's own verdict (lost, or a reclaim notice), its pod's notice and its agent's:
     a loss wins, else the notice that ends first. Returns (why lost, since)."""
     notice, seen = None, now
     info = s.nodes.get(node)
@@ -150,12 +186,23 @@ def _node_notice(
             key = "unschedulable" if notice.signal == "spec.unschedulable" else "taint:" + notice.signal
             seen = min(now, s.first_seen.get(signal_key(node, key), now))
     pod = health.pods.get(node)
-    if pod is not None and not pod.terminating and (notice is None or ends_earlier(pod.notice, notice)):
-        notice, seen = pod.notice, pod.seen
+    if pod is not None and pod.lost is None:
+        if notice is None or ends_earlier(pod.notice, notice):
+            notice, seen = pod.notice, pod.seen
+        _turns_lost(health, pod.lost_at)
+    if agent is not None and agent.lost is None:
+        if notice is None or ends_earlier(agent.notice, notice):
+            notice, seen = agent.notice, agent.seen
+        _turns_lost(health, agent.lost_at)
     if notice is not None:
         health.notices[node] = notice
         health.seen[node] = seen
     return None, now
+
+
+def _turns_lost(health: Health, at: float | None) -> None:
+    if at is not None and (health.turns_lost_at is None or at < health.turns_lost_at):
+        health.turns_lost_at = at
 
 
 def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now: float, out: Out) -> list[str]:
@@ -183,7 +230,7 @@ def joiner_seen(s: JobSnapshot, node: str) -> float:
 
 def keep_exclusions(s: JobSnapshot, config: JobConfig, health: Health, now: float, out: Out) -> None:
     """Keep ``control/excluded`` equal to the job's leaving nodes (``regroup.controller.exclusions``)."""
-    leaving = LeavingNodes(health.notices, health.storm, health.pods)
+    leaving = LeavingNodes(health.notices, health.storm, health.pods, health.agents)
     write = exclusions_update(s, config.reclaim_taints, leaving, now)
     if write is not None:
         out.actions.append(write)

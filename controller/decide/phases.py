@@ -13,7 +13,7 @@ from regroup.controller.decide.situation import Situation
 from regroup.controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
 from regroup.controller.signals import signal_key
 from regroup.controller.snapshot import JobSnapshot, WriteCheckpointRequest, WritePlan
-from regroup.records import ReformOutcome, ReformPhase, ReformPlan, evolve
+from regroup.records import Progress, ReformOutcome, ReformPhase, ReformPlan, evolve
 
 PhaseStep = Callable[[Situation, ReformPlan, list[str]], str]
 """One phase's step: (situation, plan, its target nodes now lost) -> the decision's reason."""
@@ -126,7 +126,7 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         and (plan.world_size_target == 0 or progress.world_size == plan.world_size_target)
     ):
         seen = min(now, s.first_seen.get(signal_key("", "progress"), now))
-        lost_steps = max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
+        lost_steps = _lost_steps(plan, progress)
         # Only the trainer's rank 0 knows how its world came to be and where the resume time
         # went; the plan carries that to the re-form's trace.
         resumed = evolve(
@@ -145,6 +145,16 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         return finish(s, plan, now, ReformOutcome.TIMEOUT, out, "the trainer reported no progress at the new size")
     out.again_in(limit - elapsed)
     return f"re-form {plan.generation}: waiting for the trainer to resume at the new size"
+
+
+def _lost_steps(plan: ReformPlan, progress: Progress) -> int:
+    """Steps the re-form made the trainers redo: from their own account when they give one
+    (``last_step``, the newest step any rank of the world before completed), else from the
+    last step the controller saw before it asked for the re-form (which may be one behind:
+    progress is published after the step). -1: unknown."""
+    if progress.last_step >= 0:
+        return max(0, progress.last_step - progress.resumed_from_step)
+    return max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
 
 
 def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:

@@ -73,9 +73,11 @@ def _shrink_for_reclaim(
         return _stall(s, sit.out, newest, f"reclaim of {what} leaves {len(target)} nodes, below min {config.min_nodes}")
     detected = min(sit.health.seen[n] for n in leaving)
     deadline = now + config.checkpoint_timeout.total_seconds()
+    margin = sit.settings.reform.notice_margin.total_seconds()
     for notice in leaving.values():
         if notice.ends_at is not None:
-            deadline = min(deadline, notice.ends_at - sit.settings.reform.notice_margin.total_seconds())
+            # A short notice (a 5 s grace) keeps half of itself for the re-form, not the margin.
+            deadline = min(deadline, notice.ends_at - min(margin, (notice.ends_at - notice.since) / 2))
     planned = deadline > now and s.progress is not None
     _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", before, target, detected, deadline)
     return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False

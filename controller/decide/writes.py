@@ -2,6 +2,8 @@
 
 A planned re-form asks for a checkpoint first (``control/checkpoint``); every re-form
 then publishes the next round (``control/expected``) and asks for it (``control/reform``).
+A checkpoint request lives no longer than its plan waits or holds on it
+(``withdraw_stale_checkpoint``): a trainer must never hold for a re-form nobody will ask for.
 """
 
 from __future__ import annotations
@@ -12,7 +14,16 @@ from typing import Any
 
 from regroup.controller.decide.out import Out
 from regroup.controller.reform_summary import resize_message
-from regroup.controller.snapshot import JobSnapshot, PostPodEvents, WriteExpected, WritePlan, WriteReform
+from regroup.controller.snapshot import (
+    AFTER_PREVIOUS_PLAN,
+    JobSnapshot,
+    PostPodEvents,
+    WithdrawCheckpointRequest,
+    WriteCheckpointRequest,
+    WriteExpected,
+    WritePlan,
+    WriteReform,
+)
 from regroup.controller.trace_ids import traceparent
 from regroup.records import (
     CheckpointRequest,
@@ -93,3 +104,28 @@ def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome,
         out.actions.append(PostPodEvents(s.pods, "Warning", "ReformAbandoned", f"{what} abandoned, {outcome.value}: {why}"))
         out.abandoned = True
     return f"re-form {plan.generation} {outcome.value}: {why}"
+
+
+def withdraw_stale_checkpoint(s: JobSnapshot, out: Out) -> None:
+    """Withdraw ``control/checkpoint`` once its plan no longer waits or holds on it: the plan
+    (as this decision leaves it) ended, fell back to the unplanned path without the ack, or
+    is another generation's. Trainers hold at a boundary on a request with ``hold``; left in
+    place, a dropped plan's request would stop the survivors of the re-form that replaced it
+    until its deadline. A request of a newer generation than the plan is not this
+    controller's to judge. Fenced: the delete applies only while the request and the plan
+    are still what this decision saw (``WithdrawCheckpointRequest``)."""
+    request = s.checkpoint
+    if request is None:
+        return
+    plan, plan_revision = s.plan, s.plan_revision
+    for action in reversed(out.actions):
+        if type(action) is WriteCheckpointRequest:
+            return  # this decision writes the request of its own plan over it
+        if type(action) is WritePlan:
+            plan, plan_revision = action.plan, AFTER_PREVIOUS_PLAN
+            break
+    if plan is None or request.generation > plan.generation:
+        return
+    if request.generation == plan.generation and plan.planned and plan.phase != ReformPhase.DONE:
+        return  # its plan waits for the ack, or holds the trainers on it until the re-form
+    out.actions.append(WithdrawCheckpointRequest(request.generation, s.checkpoint_revision, plan_revision))

@@ -10,16 +10,26 @@ Everything else is torch's: worker failures, ``--max-restarts``, the exit barrie
 A worker that cannot re-form in place exits non-zero; this agent then restarts it the
 usual way, and the others re-form around it. On a node left out of the next round, the
 workers hand their shards over and report "leaving" (``ElasticWorld.rejoin`` raises
-``LeavingJob`` there), and this agent then leaves the job at once, exiting 0. With ``standby``, workers are started before
-the rendezvous, so a node joining a running job (or restarting its workers) pays for
-interpreter start-up and ``import torch`` while the round forms, not after.
+``LeavingJob`` there). The agent then stays, with fresh workers, and asks to be let back in
+(``excluded_timeout`` at most, then it exits ``LEFT_JOB``), unless it was told to stop. With
+``standby``, workers are started before the rendezvous, so a node joining a running job (or
+restarting its workers) pays for interpreter start-up and ``import torch`` while the round
+forms, not after.
+
+SIGTERM is a notice to leave, not a kill (``regroup.rendezvous.inplace.notice``): while a
+controller leads the job the workers train on until it leaves this node out (their shards
+are handed over on the way), within ``term_grace``; otherwise they are stopped at once.
+Either way the agent exits ``LEFT_JOB`` (75): a node never reports success for a job that
+goes on. A second SIGTERM, or SIGINT, stops at once (torch's way).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,7 +41,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
+from regroup.exit_codes import FINISHED, LEFT_JOB
+from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinStopped, LeftJob
 from regroup.rendezvous.store import RoundAbandoned
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
@@ -44,8 +58,19 @@ from regroup.rendezvous.inplace.channel import (
     describe_report,
     write_atomically,
 )
+from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE, StopNotice, overdue, take_notice
 
 log = structlog.get_logger("regroup.inplace.agent")
+
+TERM_NOTICE = "SIGTERM: a notice to leave the job"
+"""Logged once per notice, with whether the agent waits for a hand-off and until when."""
+LEAVING = "leaving a job that goes on"
+"""Logged when the agent leaves the job with ``LEFT_JOB``, with the reason."""
+LEFT_OUT = "left out of the round; staying to be let back in"
+"""Logged when a round left this node out and the agent, not told to stop, stays."""
+_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+_TORCH_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""The signals torch's ``start_processes`` answers by stopping the workers, when unset."""
 
 WARM_TIMEOUT_S = 300.0
 """How long a standby agent waits for its workers to start up before joining anyway."""
@@ -75,6 +100,10 @@ def _left_since(announced_at: float) -> Callable[[WorkerReport | None], bool]:
     return left
 
 
+class _LeftOut(Exception):
+    """This node's workers were in a world when the round left the node out: restart them."""
+
+
 class InPlaceAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` whose membership changes keep opted-in workers alive."""
 
@@ -84,13 +113,19 @@ class InPlaceAgent(LocalElasticAgent):
         in_place: bool = True,
         standby: bool = False,
         probation: timedelta = timedelta(seconds=5),
+        term_grace: timedelta = DEFAULT_TERM_GRACE,
         **kwargs: Any,
     ) -> None:
         """``in_place``: re-form opted-in workers in place (False: torch's restart path only).
         ``standby``: start workers before each rendezvous (the script must use ElasticWorld).
         ``probation``: after this node's own workers failed, how long it stays out of the
-        next round (the others re-form without it and train on)."""
+        next round (the others re-form without it and train on).
+        ``term_grace``: the pod's ``terminationGracePeriodSeconds``: how long after SIGTERM
+        the agent has before it is killed (it cannot read the pod's spec)."""
         super().__init__(*args, **kwargs)
+        self._term_grace = term_grace
+        self._notice: StopNotice | None = None
+        self._notice_logged = False
         self._in_place = in_place
         self._standby = standby and in_place
         self._channel = Path(tempfile.mkdtemp(prefix="regroup-inplace-"))
@@ -103,17 +138,21 @@ class InPlaceAgent(LocalElasticAgent):
         handler = self._worker_group.spec.rdzv_handler
         if in_place and hasattr(handler, "enable_in_place"):
             handler.enable_in_place(probation)
+        if hasattr(handler, "exit_when_excluded"):
+            handler.exit_when_excluded = False  # left out, this agent stays (see _rendezvous)
 
     # -- torch's monitor loop, with the membership branch changed ----------------------------
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec
         role = spec.role
-        self._initialize_workers(self._worker_group)
         rdzv_handler = spec.rdzv_handler
+        self._take_sigterm()
         try:
+            self._initialize_workers(self._worker_group)
             while True:
                 time.sleep(spec.monitor_interval)
+                self._check_notice()
                 run_result = self._monitor_workers(self._worker_group)
                 state = run_result.state
                 self._worker_group.state = state
@@ -123,6 +162,8 @@ class InPlaceAgent(LocalElasticAgent):
                     self._exit_barrier()
                     return run_result
                 if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                    if self._notice is not None:
+                        raise self._leave(f"its workers failed ({state.name}) while it was leaving the job")
                     if self._remaining_restarts > 0:
                         log.info("worker group failed; restarting it", state=state.name,
                                  restarts_left=self._remaining_restarts)
@@ -144,7 +185,78 @@ class InPlaceAgent(LocalElasticAgent):
         finally:
             shutil.rmtree(self._channel, ignore_errors=True)
 
+    # -- SIGTERM: a notice, not a kill ------------------------------------------------------------
+
+    def _take_sigterm(self) -> None:
+        """Answer SIGTERM with ``_on_sigterm`` (only the main thread may install a handler)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """The first SIGTERM is a notice: record it (member record, a bound on every wait for
+        a round) and return; the main thread acts on it (``_check_notice``). No logging here:
+        the main thread may be inside a write to the same stream."""
+        if self._notice is not None:
+            # Asked twice: stop at once, as torch's own handler does (and does for SIGINT).
+            raise SignalException(f"Process {os.getpid()} got signal: {signal.SIGTERM!r} again", signal.SIGTERM)
+        handler = self._worker_group.spec.rdzv_handler
+        in_round = getattr(handler, "in_round", None)
+        notice = take_notice(
+            time.time(),
+            self._term_grace,
+            controller=bool(getattr(getattr(handler, "view", None), "controller", False)),
+            in_round=bool(in_round()) if in_round is not None else False,
+        )
+        self._notice = notice
+        notify = getattr(handler, "notice_leaving", None)
+        if notify is not None:
+            notify(notice.since, notice.by, notice.stop_at, notice.reason)
+
+    def _check_notice(self) -> None:
+        """When told to stop: log it (once), and leave the job once that is due."""
+        notice = self._notice
+        if notice is None:
+            return
+        if not self._notice_logged:
+            self._notice_logged = True
+            log.warning(
+                TERM_NOTICE, hands_over=notice.hands_over, reason=notice.reason, term_grace_s=notice.by - notice.since,
+                leaving_by=notice.by, stop_at=notice.stop_at,
+            )  # fmt: skip
+        why = overdue(notice, time.time())
+        if why:
+            raise self._leave(why)
+
+    def _leave(self, reason: str) -> LeftJob:
+        """This node leaves a job that goes on: torch's shutdown stops the workers next (within
+        the grace when on notice), and the agent exits ``LEFT_JOB``."""
+        notice = self._notice
+        if notice is not None:
+            # torch waits this long for the workers to go after their SIGTERM, then SIGKILLs them.
+            self._shutdown_timeout = max(1, min(self._shutdown_timeout, int(notice.by - time.time() - 1)))
+        handler = self._worker_group.spec.rdzv_handler
+        log.warning(
+            LEAVING, reason=reason, exit_code=LEFT_JOB, node=str(getattr(handler, "node", "")),
+            on_notice=notice is not None,
+        )  # fmt: skip
+        return LeftJob(reason)
+
     # -- starting workers ----------------------------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # torch's start_processes installs, on every start, a SIGTERM handler that stops the
+        # workers at once: leave SIGTERM out of its list while it starts them, and take it back.
+        saved = os.environ.get(_SIGNALS_ENV)
+        names = (saved if saved is not None else _TORCH_SIGNALS).split(",")
+        os.environ[_SIGNALS_ENV] = ",".join(n for n in names if n.strip() != "SIGTERM")
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            if saved is None:
+                os.environ.pop(_SIGNALS_ENV, None)
+            else:
+                os.environ[_SIGNALS_ENV] = saved
+            self._take_sigterm()
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if not self._standby:
@@ -177,7 +289,11 @@ class InPlaceAgent(LocalElasticAgent):
         for local_rank, worker_id in ids.items():
             worker_group.workers[local_rank].id = worker_id
 
-    def _rendezvous(self, worker_group: WorkerGroup, publish: bool = True) -> None:
+    def _rendezvous(self, worker_group: WorkerGroup, publish: bool = True, in_world: bool = False) -> None:
+        """Join the next round. Left out of it (not told to stop), the agent stays as a new
+        joiner of its node and joins again; with ``in_world`` (its workers were in a world)
+        it raises ``_LeftOut`` instead, so that they are restarted first. Told to stop, or out
+        of the job for ``excluded_timeout``, it leaves (``LeftJob``)."""
         handler = worker_group.spec.rdzv_handler
         while True:
             try:
@@ -188,6 +304,24 @@ class InPlaceAgent(LocalElasticAgent):
                 # cordoned and deleted right after it joined): join the next round instead.
                 log.warning("round abandoned while assigning ranks; joining the next", reason=str(exc))
                 getattr(handler, "abandon_round", lambda: None)()
+            except ExcludedFromRound as exc:
+                if self._notice is not None:
+                    raise self._leave(f"left out of the job's round on notice ({exc})") from exc
+                # Exiting 0 would mark the pod of an Indexed Job, JobSet or PyTorchJob succeeded,
+                # its index gone for good: stay, and let the controller take the node back.
+                settings = getattr(handler, "settings", None)  # only the etcd-v3 handler leaves a node out
+                log.warning(LEFT_OUT, reason=str(exc),
+                            excluded_timeout_s=settings.timeouts.excluded.total_seconds() if settings else None)
+                getattr(handler, "start_over", lambda reason: None)(str(exc))
+                if in_world:
+                    raise _LeftOut(str(exc)) from exc
+            except (ExcludedTooLong, JoinStopped) as exc:
+                raise self._leave(str(exc)) from exc
+            except RendezvousClosedError as exc:
+                # The job is over (e.g. while this node waited to be let back in): that is
+                # success for every node, not a failure of this one (torch's agent exits 1).
+                log.info("the job is over (its rendezvous is closed); exiting", exit_code=FINISHED)
+                raise SystemExit(FINISHED) from exc
         self._rounds += 1
         if publish:
             self._publish(worker_group, pending=False, reason="round formed")
@@ -201,6 +335,7 @@ class InPlaceAgent(LocalElasticAgent):
         worker that exits meanwhile is left to the monitor loop: nothing more will come from it."""
         deadline = time.monotonic() + timeout_s
         while True:
+            self._check_notice()
             pids = self._pcontext.pids() if self._pcontext is not None else {}
             reports = {local_rank: WorkerReport.read(self._channel, local_rank) for local_rank in pids}
             pending = {
@@ -267,7 +402,14 @@ class InPlaceAgent(LocalElasticAgent):
                 log.info("workers left their world; leaving the job",
                          seconds=round(time.monotonic() - started_handoff, 3))
         pids = self._pcontext.pids() if self._pcontext is not None else {}
-        self._rendezvous(worker_group, publish=not leaving)
+        try:
+            self._rendezvous(worker_group, publish=not leaving, in_world=True)
+        except _LeftOut:
+            # Left out and not told to stop: its workers left their world (some exited 0 through
+            # LeavingJob, which is not the job's success). Fresh ones wait with the agent, which
+            # asks to be let back in.
+            self._restart_workers(worker_group)
+            return
         if leaving:
             # Not left out after all: the controller took this node back between the
             # announcement and the round. Its workers were told to go (they left their world,

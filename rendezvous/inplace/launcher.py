@@ -1,16 +1,21 @@
 """``regroup-run``: torchrun whose agent re-forms opted-in workers in place.
 
 It is torch's own ``torchrun`` (the same parser, flags, environment contract for the
-script, error files and exit codes) with ``InPlaceAgent`` in place of ``LocalElasticAgent``,
-plus flags of its own::
+script and error files) with ``InPlaceAgent`` in place of ``LocalElasticAgent``, plus flags
+of its own, and exit 75 (``regroup.exit_codes.LEFT_JOB``) when this node leaves a job that
+goes on::
 
     regroup-run --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd:2379 --rdzv-id=$JOB \\
-                --nnodes=2:4 --nproc-per-node=8 [--standby] [--in-place=off] -m regroup.trainer ...
+                --nnodes=2:4 --nproc-per-node=8 [--standby] [--in-place=off] [--term-grace=120] \\
+                -m regroup.trainer ...
 
 ``--in-place=off`` forces torch's restart path; ``--standby`` starts the workers before
 each rendezvous (only for scripts that use ``ElasticWorld``, which read their rank from
 the agent instead of the environment); ``--probation`` keeps a node whose own workers
-failed out of the next round for a while, so the others train on without it.
+failed out of the next round for a while, so the others train on without it;
+``--term-grace`` is the pod's ``terminationGracePeriodSeconds``: after SIGTERM the agent keeps
+its workers training while a controller hands the node's work over, for at most that long
+(``regroup.rendezvous.inplace.notice``), and exits 75 (``regroup.exit_codes.LEFT_JOB``).
 
 With the ``etcd-v3`` backend the workers also get ``REGROUP_ETCD_ENDPOINT`` (from
 ``--rdzv-endpoint``) unless their environment sets it already, so a script finds its job's
@@ -19,13 +24,18 @@ etcd with no configuration of its own.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
+import signal
 import sys
 from collections.abc import MutableMapping
 from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE
+from regroup.rendezvous.joining import LeftJob
 
 ETCD_ENDPOINT_ENV = "REGROUP_ETCD_ENDPOINT"
 ETCD_BACKEND = "etcd-v3"
@@ -55,7 +65,32 @@ def build_parser():  # type: ignore[no-untyped-def]
         metavar="SECONDS",
         help="after this node's own workers failed, stay out of the next round this long (default 5)",
     )
+    parser.add_argument(
+        "--term-grace",
+        dest="term_grace",
+        type=_seconds,
+        default=DEFAULT_TERM_GRACE.total_seconds(),
+        metavar="SECONDS",
+        help="the pod's terminationGracePeriodSeconds (default 30, Kubernetes' default): after SIGTERM, "
+        "train on while a controller hands this node's work over, for at most this long; then exit 75",
+    )
     return parser
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {raw!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {raw!r}")
+    return value
+
+
+def _leave_before_starting(signum: int, frame: object) -> None:
+    """SIGTERM before the agent runs (it connects to etcd first): nothing joined, nothing
+    to hand over; leave at once, with the exit code of a node leaving a job that goes on."""
+    raise LeftJob("told to stop (SIGTERM) before the agent started")
 
 
 def export_etcd_endpoint(rdzv_backend: str, rdzv_endpoint: str, environ: MutableMapping[str, str]) -> bool:
@@ -76,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     from regroup.rendezvous.inplace.agent import InPlaceAgent
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Until the agent takes SIGTERM as a notice (it runs once etcd answers), it ends the launch.
+    signal.signal(signal.SIGTERM, _leave_before_starting)
     # Workers inherit the agent's environment.
     export_etcd_endpoint(args.rdzv_backend, args.rdzv_endpoint, os.environ)
     # torch's launch_agent builds its agent from this module attribute; the rest is torch's.
@@ -84,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         in_place=args.in_place == "auto",
         standby=args.standby,
         probation=timedelta(seconds=args.probation),
+        term_grace=timedelta(seconds=args.term_grace),
     )
     run(args)
 

@@ -204,6 +204,21 @@ def with_disruption(
     return s.changed_pod(node, at=seen, disruption=PodDisruption(reason, since, grace), **pod_fields)
 
 
+def with_deletion(
+    s: Scene, node: str, at: float = T0, grace: float = 30.0, seen: float | None = None, **pod_fields: Any
+) -> Scene:
+    """``node``'s pod deleted at ``at`` with ``grace`` seconds (``deletionTimestamp`` at
+    ``at + grace``), seen at ``seen`` (default: ``at``)."""
+    return s.changed_pod(node, at=at if seen is None else seen, deleting=True, deletion_deadline=at + grace,
+                         deletion_grace_seconds=grace, **pod_fields)
+
+
+def leaving(s: Scene, node: str, since: float = T0, by: float = T0 + 30, seen: float | None = None) -> Scene:
+    """The agent on ``node`` got SIGTERM at ``since`` and must be gone by ``by`` (its member record says so)."""
+    record = dataclasses.replace(s.members[node], leaving_since=since, leaving_by=by)
+    return s.with_member(record, at=since if seen is None else seen)
+
+
 def acked(s: Scene, generation: int, step: int) -> Scene:
     ack = CheckpointAck(generation=generation, step=step, checkpoint_id=f"step-{step}", duration_s=1.0, world_size=6)
     return s.with_record(KEYS.root + f"acks/{generation}/commit", ack)
@@ -233,6 +248,8 @@ def applied(s: Scene, decided: Iterable[Action], now: float) -> Scene:
     for a in decided:
         if isinstance(a, WritePlan):
             s = s.then(lambda m, plan=a.plan: m.etcd_put(KEYS.plan, plan.to_json(), m.jobs[(NS, JOB)].plan_revision + 1))
+        elif isinstance(a, actions.WithdrawCheckpointRequest):
+            s = s.then(functools.partial(_delete, KEYS.checkpoint))
         elif type(a) in _WRITTEN:
             key, attr = _WRITTEN[type(a)]
             s = s.with_record(key, getattr(a, attr))

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
@@ -54,9 +55,16 @@ def controller_rbac() -> Authorizer:
     return manifest_authorizer(DEPLOY_BASE / "rbac.yaml", CONTROLLER_NS, account)
 
 
+_OTHER_CLIENTS: weakref.WeakKeyDictionary[FakeKubeAPI, set[int]] = weakref.WeakKeyDictionary()
+"""Per stand-in, the ids of the requests a test made over HTTP playing another client (a
+drain's eviction, say): not the controller's, so not checked against its RBAC."""
+
+
 def check_rbac(api: FakeKubeAPI, first: int, who: str = "the controller") -> None:
-    """Every request the stand-in received from index ``first`` on is one deploy/base/rbac.yaml allows."""
-    controller_rbac().check(api.requests[first:], who)
+    """Every request the stand-in received from index ``first`` on is one deploy/base/rbac.yaml
+    allows, leaving out those the test made as another client (``Cluster.evict``)."""
+    others = _OTHER_CLIENTS.get(api, set())
+    controller_rbac().check([r for r in api.requests[first:] if id(r) not in others], who)
 
 
 def controller_namespace(api: FakeKubeAPI) -> str:
@@ -100,10 +108,31 @@ class Cluster:
         self.api.create(objects.pod(NS, name, job=job, node=node, annotations=annotations, **kw))
         return name
 
-    async def member(self, job: str, node: str, round_: int, restarts: int = 0, lease: Any = None) -> None:
+    async def member(self, job: str, node: str, round_: int, restarts: int = 0, lease: Any = None,
+                     joined_at: float | None = None, **fields: Any) -> MemberRecord:
         record = MemberRecord(node=node, pod=f"{job}-{node}", namespace=NS, round=round_, local_world_size=2,
-                              restart_count=restarts, joined_at=time.time())
+                              restart_count=restarts, joined_at=time.time() if joined_at is None else joined_at,
+                              **fields)
         await self.etcd.put(JobKeys(NS, job).member(node).encode(), record.to_json(), lease=lease)
+        return record
+
+    async def evict(self, kube_client: Any, pod: str, grace: int | None = None) -> dict[str, Any]:
+        """``POST pods/<pod>/eviction`` as a drain does it (over HTTP, with the real client);
+        returns the pod as stored after it. With ``graceful_pod_deletion`` the stand-in marks
+        the pod (``deletionTimestamp``, ``deletionGracePeriodSeconds``) and the test plays the
+        kubelet's final delete."""
+        from kubernetes_asyncio import client
+
+        first = len(self.api.requests)
+        eviction = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=pod, namespace=NS),
+            delete_options=client.V1DeleteOptions(grace_period_seconds=grace) if grace is not None else None,
+        )
+        await client.CoreV1Api(kube_client).create_namespaced_pod_eviction(pod, NS, eviction)
+        _OTHER_CLIENTS.setdefault(self.api, set()).update(id(r) for r in self.api.requests[first:])
+        stored = self.api.get("Pod", pod, NS)
+        assert stored is not None, f"pod {pod} was deleted at once, not marked"
+        return stored
 
     async def drop_member(self, job: str, node: str) -> None:
         await self.etcd.delete(JobKeys(NS, job).member(node).encode())
@@ -145,6 +174,21 @@ class Cluster:
                 async for event in watch:
                     if event.kind == EventKind.PUT and predicate(record := cls.from_json(event.kv.value)):
                         return record
+        finally:
+            await watch.cancel()
+        raise AssertionError(f"{key} watch ended")
+
+    async def wait_deleted(self, key: str, timeout: float = WAIT) -> None:
+        """Await ``key``'s absence (watching, not polling)."""
+        listing = await self.etcd.get_prefix(key.encode())
+        if not any(kv.key.decode() == key for kv in listing.kvs):
+            return
+        watch = await self.etcd.watch(key.encode(), start_revision=listing.header.revision + 1)
+        try:
+            async with asyncio.timeout(timeout):
+                async for event in watch:
+                    if event.kind == EventKind.DELETE and event.kv.key.decode() == key:
+                        return
         finally:
             await watch.cancel()
         raise AssertionError(f"{key} watch ended")

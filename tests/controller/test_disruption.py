@@ -1,4 +1,5 @@
-"""``DisruptionTarget=True`` on a member's pod: a reclaim notice on its node, for that job."""
+"""``DisruptionTarget=True`` on a member's pod: a reclaim notice on its node, for that job
+(with a deletion as well: see test_leaving)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,13 @@ def test_without_last_transition_time_the_notice_starts_when_first_seen() -> Non
     assert plan.checkpoint_deadline == pytest.approx(T0 + 3 + 30 - MARGIN) and plan.detected_at == T0 + 3
 
 
-def test_a_grace_period_shorter_than_the_margin_goes_unplanned_at_once() -> None:
-    s = with_disruption(job(), "n2", grace=4)
-    d = decide(s, T0 + 1, S)
+def test_a_grace_period_shorter_than_twice_the_margin_keeps_half_for_the_reform() -> None:
+    """A 4 s grace: the checkpoint must come within its first half (the second is the
+    re-form's); past that half the shrink goes unplanned at once."""
+    s = with_disruption(job(), "n2", since=T0, grace=4)
+    [plan] = of(decide(s, T0 + 1, S).actions, WritePlan)
+    assert plan.plan.planned and plan.plan.checkpoint_deadline == pytest.approx(T0 + 2)
+    d = decide(s, T0 + 2.5, S)
     [plan] = of(d.actions, WritePlan)
     assert not plan.plan.planned and plan.plan.phase == "rendezvous" and of(d.actions, WriteReform)
 
@@ -78,7 +83,8 @@ def test_the_earlier_of_a_taint_and_a_pod_notice_bounds_the_checkpoint() -> None
     assert of(decide(s, T0 + 1, S).actions, WriteExclusions)[0].exclusions.nodes["n2"].startswith("taint aws-")
 
 
-def test_a_terminating_disrupted_pod_is_a_loss_and_its_node_stays_excluded() -> None:
+def test_a_disrupted_pod_deleted_without_a_known_deadline_is_a_loss_and_its_node_stays_excluded() -> None:
+    # An adapter that sets ``deleting`` but no ``deletion_deadline``: no grace is known to be left.
     s = with_disruption(job(), "n2", deleting=True)
     s, d = step(s, T0 + 1)
     plan = of(d.actions, WritePlan)[0].plan
@@ -136,17 +142,22 @@ def _condition(status: str = "True", reason: str = "PreemptionByScheduler", at: 
     ("grace", "condition", "expected"),
     [
         (60, _condition(), PodDisruption("PreemptionByScheduler", datetime(2024, 5, 1, 10, tzinfo=UTC).timestamp(), 60.0)),
+        ({"spec": 40, "deletion": 5}, _condition(reason="EvictionByEvictionAPI"),
+         PodDisruption("EvictionByEvictionAPI", datetime(2024, 5, 1, 10, tzinfo=UTC).timestamp(), 5.0)),
         (None, _condition(reason="DeletionByTaintManager", at=None), PodDisruption("DeletionByTaintManager", None, 30.0)),
         ("soon", _condition(at="yesterday"), PodDisruption("PreemptionByScheduler", None, 30.0)),
         (-1, _condition(at=12), PodDisruption("PreemptionByScheduler", None, 30.0)),
         (60, _condition(status="False"), None),
         (60, None, None),
     ],
-    ids=["full", "defaults", "unparsable", "wrong-types", "status-false", "absent"],
+    ids=["full", "deletion-grace-wins", "defaults", "unparsable", "wrong-types", "status-false", "absent"],
 )
 def test_the_source_parses_the_condition_and_the_grace_period(grace, condition, expected) -> None:
     obj = objects.pod(NS, "w-0", job=JOB, node="n1")
-    if grace is not None:
+    if isinstance(grace, dict):  # being deleted: the deletion's own grace is the notice
+        obj["spec"]["terminationGracePeriodSeconds"] = grace["spec"]
+        obj["metadata"].update(deletionTimestamp="2024-05-01T10:00:05Z", deletionGracePeriodSeconds=grace["deletion"])
+    elif grace is not None:
         obj["spec"]["terminationGracePeriodSeconds"] = grace
     if condition is not None:
         obj["status"]["conditions"].append(condition)

@@ -251,6 +251,28 @@ async def test_the_plan_is_compare_and_set_on_its_revision(etcd_client) -> None:
     assert second > first and own.claim(second) and not own.claim(second)
 
 
+async def test_a_checkpoint_request_is_withdrawn_only_as_it_was_seen(etcd_client) -> None:
+    """The withdrawal is fenced on the request's revision and the plan's: a stale view deletes nothing."""
+    from regroup.controller.etcd_mirror import OwnWrites
+    from regroup.controller.reconciler import PlanConflict
+    from regroup.controller.runtime import EtcdLeaseWriter
+
+    own = OwnWrites()
+    writer = EtcdLeaseWriter(etcd_client, own)
+    plan = await writer.compare_and_put(KEYS.plan, b"{}", 0)
+    request = await writer.put(KEYS.checkpoint, b"{}")
+    with pytest.raises(PlanConflict):
+        await writer.compare_and_delete(KEYS.checkpoint, request, (KEYS.plan, plan - 1))  # the plan moved on
+    newer = await writer.put(KEYS.checkpoint, b"{}")
+    with pytest.raises(PlanConflict):
+        await writer.compare_and_delete(KEYS.checkpoint, request, (KEYS.plan, plan))  # a newer request
+    assert await etcd_client.get(KEYS.checkpoint.encode()) is not None
+    await writer.compare_and_delete(KEYS.checkpoint, newer, (KEYS.plan, plan))
+    assert await etcd_client.get(KEYS.checkpoint.encode()) is None
+    # The delete's revision is the controller's own: its watch event wakes no one.
+    assert own.claim(newer + 1)
+
+
 def test_node_changes_no_decision_reads_wake_no_job() -> None:
     m, _, dirty = model()
     dirty.clear()
@@ -347,7 +369,7 @@ def test_the_model_indexes_always_equal_a_fresh_computation() -> None:
             (p.pod.name, p.message) for p in fresh.problems], f"step {step}"
         assert (grouped(snap.resolved), snap.resolved.rendezvous_pods) == (
             grouped(fresh), fresh.rendezvous_pods), f"step {step}"
-        assert snap.disrupted == {p.name: p for p in snap.pods if p.disruption is not None}, f"step {step}"
+        assert snap.disrupted == {p.name: p for p in snap.pods if p.disruption is not None or p.deleting}, f"step {step}"
         k = snap.resolved.config.storm_restarts if snap.resolved.config else 0
         marks = {n: mark for n, times in snap.restarts.items() if (mark := storm_mark(times, k)) is not None} if k else {}
         assert snap.storm_marks == marks, f"step {step}"

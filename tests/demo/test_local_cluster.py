@@ -16,14 +16,20 @@ from regroup.demo.processes import AgentCommand
 from tests.changes import Changes
 
 # An "agent" that, like torchrun, starts its worker in a session of its own, then waits.
-# It exits with an error on the attempts listed in argv[3], or cleanly once with "clean".
+# It exits with an error on the attempts listed in argv[3], cleanly once with "clean",
+# with 75 (left the job) at its first attempt with "left", and ignores SIGTERM with "stubborn".
 AGENT = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
 attempt = int(sys.argv[1]); out = sys.argv[2]
 if sys.argv[3] == 'clean':
     if not os.path.exists(out + '.left'):
         open(out + '.left', 'w').close()
         sys.exit(0)
+elif sys.argv[3] == 'left':
+    if attempt == 0:
+        sys.exit(75)
+elif sys.argv[3] == 'stubborn':
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 elif attempt in {int(a) for a in sys.argv[3].split(',') if a}:
     sys.exit(3)
 worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)
@@ -94,7 +100,7 @@ async def wait_for_lines(path: Path, count: int, timeout: float = 20.0) -> list[
 async def cluster(tmp_path: Path) -> AsyncIterator[tuple[LocalCluster, Sink, Path]]:
     script = tmp_path / "agent.py"
     script.write_text(AGENT)
-    fail_on: dict[str, str] = {"flaky": "0", "leaver": "clean"}
+    fail_on: dict[str, str] = {"flaky": "0", "leaver": "clean", "left": "left", "stubborn": "stubborn"}
 
     def launch(node: str, pod: str, attempt: int) -> AgentCommand:
         argv = [sys.executable, str(script), str(attempt), str(tmp_path / f"{node}.pids"), fail_on.get(node, "")]
@@ -149,6 +155,19 @@ async def test_a_failing_agent_restarts_in_place_and_the_pod_counts_it(cluster) 
     [[attempt, agent, _]] = await wait_for_lines(tmp / "flaky.pids", 1)
     assert attempt == 1 and local.agent_pid("flaky") == agent
     assert sink.pods["flaky-worker"].phase == "Running"
+    # As a kubelet reports lastState.terminated: the restart followed a failure (exit 3).
+    assert [(c.count, c.last_failed) for c in sink.pods["flaky-worker"].containers] == [(1, True)]
+
+
+async def test_an_agent_that_left_the_job_is_restarted_and_that_is_no_failure(cluster) -> None:
+    """Exit 75 (``regroup.exit_codes.LEFT_JOB``) restarts the container in place, as
+    ``restartPolicy: Always`` does, and the restart is reported as no failure."""
+    local, sink, tmp = cluster
+    await local.add_node("left")
+    await sink.until(lambda: sink.pods.get("left-worker") is not None and sink.pods["left-worker"].restart_count == 1)
+    [[attempt, _, _]] = await wait_for_lines(tmp / "left.pids", 1)
+    assert attempt == 1
+    assert [(c.count, c.last_failed) for c in sink.pods["left-worker"].containers] == [(1, False)]
 
 
 async def test_an_agent_that_leaves_cleanly_gets_a_fresh_pod(cluster) -> None:
@@ -195,6 +214,44 @@ async def test_a_deleted_pod_on_a_schedulable_node_is_replaced(cluster) -> None:
     uid = sink.pods["node-1-worker"].uid
     await local.delete_pod("default", "node-1-worker", "evicted")
     await sink.until(lambda: "node-1-worker" in sink.pods and sink.pods["node-1-worker"].uid != uid)
+    await wait_for_lines(tmp / "node-1.pids", 2)
+
+
+async def test_an_eviction_sigterms_the_agent_and_kills_its_tree_at_the_grace_end(cluster) -> None:
+    """As the API server and a kubelet carry an eviction out: the condition, then the
+    deletion with its deadline; SIGTERM at once (ignored here), SIGKILL of the whole tree
+    when the grace is over; then the pod is gone and a new one starts on the node."""
+    local, sink, tmp = cluster
+    await local.add_node("stubborn")
+    [[_, agent, worker]] = await wait_for_lines(tmp / "stubborn.pids", 1)
+    uid = sink.pods["stubborn-worker"].uid
+    evicted_at = asyncio.get_running_loop().time()
+    await local.evict("stubborn", timedelta(seconds=1))
+    await sink.until(lambda: sink.pods["stubborn-worker"].deleting)
+    pod = sink.pods["stubborn-worker"]
+    assert pod.disruption is not None and pod.disruption.reason == "EvictionByEvictionAPI"
+    assert pod.deletion_grace_seconds == 1.0 and pod.deletion_deadline is not None
+    assert alive(agent), "SIGTERM is a notice: the agent lives on until the grace is over"
+    await sink.until(lambda: "stubborn-worker" in sink.deleted_pods, timeout=10)
+    assert asyncio.get_running_loop().time() - evicted_at >= 1.0
+    assert not alive(agent)
+    await asyncio.wait_for(_gone(worker), 5)
+    await sink.until(lambda: "stubborn-worker" in sink.pods and sink.pods["stubborn-worker"].uid != uid)
+    assert not sink.pods["stubborn-worker"].deleting
+
+
+async def test_a_drain_cordons_then_evicts_and_an_uncordon_brings_a_new_pod(cluster) -> None:
+    local, sink, tmp = cluster
+    await local.add_node("node-1")
+    [[_, agent, _]] = await wait_for_lines(tmp / "node-1.pids", 1)
+    await local.drain("node-1", timedelta(seconds=5))
+    await sink.until(lambda: "node-1-worker" in sink.deleted_pods)
+    node = sink.nodes["node-1"]
+    assert node.unschedulable and [t.key for t in node.taints] == ["node.kubernetes.io/unschedulable"]
+    assert not alive(agent), "the agent stopped on SIGTERM, long before its grace"
+    assert local.pod_on("node-1") is None, "no new pod on a cordoned node"
+    await local.uncordon("node-1")
+    await sink.until(lambda: "node-1-worker" in sink.pods and not sink.nodes["node-1"].unschedulable)
     await wait_for_lines(tmp / "node-1.pids", 2)
 
 

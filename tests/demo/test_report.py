@@ -48,6 +48,14 @@ def test_lost_steps_come_from_the_resume_points(regroup_run: Path) -> None:
     assert continuity_errors(run.progress) == []
 
 
+def test_lost_steps_take_the_trainers_own_last_step_when_the_recorder_missed_it() -> None:
+    """Rank 0 publishes progress every interval: the recorder's newest step before a re-form
+    may be one behind the step the survivors completed; their own count (``last_step``) wins."""
+    seen = [P(0, 1, 1.0, 3, 0), P(1, 104, 1.0, 3, 0), P(2, 105, 1.0, 2, 104, last_step_before=105)]
+    [stop] = interruptions(seen)
+    assert (stop.last_step, stop.resumed_from_step, stop.lost_steps) == (105, 104, 1)
+
+
 def test_a_stop_that_never_resumed_counts_until_the_end(baseline_run: Path) -> None:
     run = load_run(baseline_run)
     *_, last = run_interruptions(run)

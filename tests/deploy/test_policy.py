@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.schemas import DEPLOY, REPO, load_documents, manifest_files, pod_specs, render
+from regroup.exit_codes import LEFT_JOB
+from tests.deploy.schemas import DEPLOY, REPO, describe, load_documents, manifest_files, pod_specs, render
 
 OVERLAYS = ("base", "overlays/dev", "overlays/prod")
 EXAMPLE_FILES = [p for p in manifest_files() if DEPLOY / "examples" in p.parents]
@@ -398,6 +399,46 @@ def test_worker_pod_is_wired_to_regroup(where: str, template: dict[str, Any]) ->
     assert "emptyDir" in volumes[init_mount["name"]]
     assert any(m["name"] == init_mount["name"] and m["mountPath"] == init_mount["mountPath"] for m in trainer["volumeMounts"])
     assert spec["terminationGracePeriodSeconds"] >= 60
+    if launcher == "regroup-run":
+        # SIGTERM is a notice: the agent trains on for the pod's grace, which it cannot read.
+        assert float(_flag(args, "term-grace")) == spec["terminationGracePeriodSeconds"]
+
+
+def _worker_jobs() -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, Job spec) of every Job, a JobSet's included, whose pods are regroup-run workers."""
+    for path in EXAMPLE_FILES:
+        for doc in load_documents(path):
+            if doc.get("kind") == "Job":
+                specs = [doc["spec"]]
+            elif doc.get("kind") == "JobSet":
+                specs = [r["template"]["spec"] for r in doc["spec"]["replicatedJobs"]]
+            else:
+                continue
+            for spec in specs:
+                template = spec["template"]
+                if "regroup.dev/job" in template["metadata"].get("labels", {}) and any(
+                    c.get("command") == [ENTRYPOINT, "regroup-run"] for c in template["spec"]["containers"]
+                ):
+                    yield f"{path.relative_to(REPO)}: {describe(doc)}", spec
+
+
+WORKER_JOBS = list(_worker_jobs())
+
+
+@pytest.mark.parametrize(("where", "job"), WORKER_JOBS, ids=[w for w, _ in WORKER_JOBS])
+def test_a_worker_job_brings_back_a_node_that_left_and_counts_no_disruption(where: str, job: dict[str, Any]) -> None:
+    """Exit 75 (a node left a job that goes on) and a disruption are not failures of the Job:
+    the index comes back as a fresh pod instead of counting against the backoff limit (or,
+    with exit 0, being done for good)."""
+    assert job["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
+    rules = job["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+    exit_rules = [r["onExitCodes"] for r in rules if r["action"] == "Ignore" and "onExitCodes" in r]
+    assert {"containerName": "trainer", "operator": "In", "values": [LEFT_JOB]} in exit_rules, rules
+
+
+def test_worker_jobs_are_found() -> None:
+    assert len(WORKER_JOBS) >= 3, WORKER_JOBS
 
 
 def test_trainer_launching_examples_are_found() -> None:

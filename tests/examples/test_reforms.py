@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from regroup.demo.etcd_server import EtcdServer
+from regroup.rendezvous.inplace.agent import LEFT_OUT
 from tests.examples.harness import (
     EXAMPLES,
     Example,
@@ -128,8 +129,11 @@ def test_a_loss_a_grow_and_a_planned_shrink_follow_the_uninterrupted_run(
     ack = job.acked(2)
     assert ack.step < STEPS, "the run must still have steps to train after the shrink"
     job.reform(2, ["a"], cause="reclaim")
-    assert job.procs["b"].wait(60) == 0, "the node left out of the round exits cleanly"
     assert job.procs["a"].wait(240) == 0, job.log("a")[-3000:]
+    # b, left out of the round, waited to be let back in (it never reported success) and
+    # ends with the job: its rendezvous closed, the run is over for every node.
+    assert job.events("b", LEFT_OUT), job.log("b")[-3000:]
+    assert job.procs["b"].wait(60) == 0, job.log("b")[-3000:]
     assert watch.close() == {"a": set(pids["a"])}, "the survivor's worker was restarted"
     shrunk = job.progress()
     assert shrunk is not None and (shrunk.step, shrunk.world_size) == (STEPS, 1)

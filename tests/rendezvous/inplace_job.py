@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ from regroup.records import (
     Progress,
     ReformRequest,
 )
+from regroup.rendezvous.handler import EtcdV3RendezvousHandler
+from regroup.rendezvous.settings import parse_settings
 from tests.rendezvous.agents import kill_all, wait_until as wait_for
 from tests.trainer.harness import events, write_config
 
@@ -87,13 +90,24 @@ class InPlaceJob:
         """What each agent runs on its ranks (the built-in trainer here; a script in subclasses)."""
         return ["-m", "regroup.trainer", "--config", str(self.config)]
 
-    def start(self, node: str, *, in_place: str = "auto", standby: bool = True, nnodes: str | None = None) -> None:
+    def start(
+        self,
+        node: str,
+        *,
+        in_place: str = "auto",
+        standby: bool = True,
+        nnodes: str | None = None,
+        flags: tuple[str, ...] = (),
+        conf: str = "",
+    ) -> None:
+        """``flags``: more launcher flags (``--term-grace=6``); ``conf``: more ``--rdzv-conf`` keys."""
         argv = [
             sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
-            *(["--standby"] if standby else []),
+            *(["--standby"] if standby else []), *flags,
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
             f"--nnodes={nnodes or self.nnodes}", "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
-            "--monitor-interval=0.1", "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120",
+            "--monitor-interval=0.1",
+            f"--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120{',' + conf if conf else ''}",
             "--local-addr=127.0.0.1", *self.worker(),
         ]  # fmt: skip
         env = {**self.env, "NODE_NAME": node}
@@ -105,6 +119,13 @@ class InPlaceJob:
     def workers(self, node: str) -> list[int]:
         proc = self.procs[node]
         return children(proc.pid) if proc.poll() is None else []
+
+    def terminate(self, node: str) -> float:
+        """SIGTERM the node's agent only, as the kubelet signals a container's PID 1 when its
+        pod is deleted, evicted or drained; returns when (unix time)."""
+        sent = time.time()
+        self.procs[node].send_signal(signal.SIGTERM)
+        return sent
 
     def kill_node(self, node: str) -> None:
         """SIGKILL the node's agent and workers: a node lost without notice."""
@@ -146,6 +167,17 @@ class InPlaceJob:
         found = self._loop.run(self._client.get_prefix(self.keys.members.encode()))
         return {kv.key.decode()[len(self.keys.members) :]: json.loads(kv.value) for kv in found}
 
+    def await_joiner(self, node: str, after: float, timeout: float = 120) -> dict[str, Any]:
+        """``node``'s member record once an agent registered after the unix time ``after``
+        asks to join: a new agent, or the one left out of a round (it stays, as a new agent
+        of its node, and asks to be let back in). Pass the ``joined_at`` of the agent before."""
+
+        def asking() -> dict[str, Any] | None:
+            member = self.members().get(node)
+            return member if member is not None and member["joined_at"] > after and member["round"] == 0 else None
+
+        return wait_for(asking, timeout, f"an agent of {node} asking to join")  # type: ignore[no-any-return]
+
     def await_progress(self, what: str, predicate: Callable[[Progress], bool], timeout: float = 90) -> Progress:
         def ready() -> Progress | None:
             progress = self.progress()
@@ -154,6 +186,17 @@ class InPlaceJob:
         return wait_for(ready, timeout, what)  # type: ignore[no-any-return]
 
     # -- acting as the controller ---------------------------------------------------------
+
+    def close_run(self) -> None:
+        """Close the job's rendezvous as its last finishing agent does (the job is over)."""
+        settings = parse_settings(
+            endpoint=self.endpoint, run_id=JOB, min_nodes=1, max_nodes=1, conf={}, env={"NODE_NAME": "test-closer"}
+        )
+        handler = EtcdV3RendezvousHandler(settings)
+        try:
+            handler.set_closed()
+        finally:
+            handler.shutdown()
 
     def claim_control(self) -> None:
         """Say a controller manages the job: agents then leave joins to it (no self-grow)."""

@@ -26,7 +26,7 @@ from regroup.demo.etcd_server import EtcdServer, free_port, make_tls_files
 from regroup.keys import JobKeys
 from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
 from regroup.rendezvous.handler import EtcdV3RendezvousHandler
-from regroup.rendezvous.joining import ExcludedFromRound
+from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinStopped
 from regroup.rendezvous.settings import parse_settings
 from tests.rendezvous.agents import wait_until
 
@@ -195,6 +195,76 @@ def test_an_agent_on_an_excluded_node_waits_joins_once_lifted_and_exits_non_zero
     c = agents.make("n2", (1, 2), excluded_timeout="0.5")
     with pytest.raises(RendezvousError, match=r"n2 is excluded from the job: spec.unschedulable .* excluded_timeout"):
         c.next_rendezvous()
+
+
+def test_an_agent_left_out_starts_over_as_a_new_joiner_and_gives_up_only_after_excluded_timeout(
+    agents: Agents, etcd: EtcdServer
+) -> None:
+    put(etcd.endpoint, KEYS.controller, ControllerPresence("test", time.time()).to_json())
+    a = agents.make("n0", (1, 3), last_call_timeout="60")
+    b = agents.make("n1", (1, 3), last_call_timeout="60")
+    c = agents.make("n2", (1, 3), last_call_timeout="60", excluded_timeout="1")
+    put(etcd.endpoint, KEYS.expected, ExpectedMembership(generation=1, nodes=["n0", "n1", "n2"]).to_json())
+    assert {f.result(20).world_size for f in agents.join(a, b, c)} == {3}
+    # The controller leaves n1 and n2 out: each of them is told so, and stays.
+    put(etcd.endpoint, KEYS.expected, ExpectedMembership(generation=2, nodes=["n0"]).to_json())
+    put(etcd.endpoint, KEYS.reform, ReformRequest(generation=2, cause="reclaim").to_json())
+    wait_until(lambda: a.num_nodes_waiting(), 10, "the re-form request")
+    survivor, *left = agents.join(a, b, c)
+    assert survivor.result(20).world_size == 1
+    old = {h.node: a.view.members[h.node].joined_at for h in (b, c)}
+    started = time.monotonic()
+    for handler, future in zip((b, c), left):
+        with pytest.raises(ExcludedFromRound):
+            future.result(20)
+        assert handler.in_round(), "its workers still hold ranks of the round before: theirs to hand over"
+        handler.start_over("left out")
+        assert not handler.in_round()
+    # Each is a new agent of its node now (the round never admits the one it left out), in no round.
+    wait_until(lambda: all(a.view.members[n].joined_at > old[n] for n in old), 10, "n1 and n2 as new agents")
+    assert {a.view.members[n].round for n in old} == {0}
+    back, given_up = agents.join(b, c)
+    # n2 is not let back in within its excluded_timeout: it gives up, naming why.
+    gives_up = r"left out; out of the job for excluded_timeout 1s, leaving it \(exit 75\)"
+    with pytest.raises(ExcludedTooLong, match=gives_up):
+        given_up.result(20)
+    assert time.monotonic() - started >= 1.0, "excluded_timeout counts from being left out"
+    # n1 waits to be let back in (a joiner does not make the running agent re-form while a
+    # controller leads), and is: the next expected membership names it.
+    assert not back.done() and a.num_nodes_waiting() == 0
+    put(etcd.endpoint, KEYS.expected, ExpectedMembership(generation=3, nodes=["n0", "n1"]).to_json())
+    put(etcd.endpoint, KEYS.reform, ReformRequest(generation=3, cause="grow").to_json())
+    wait_until(lambda: a.num_nodes_waiting(), 10, "the re-form request")
+    assert {f.result(20).world_size for f in [back, *agents.join(a)]} == {2}
+    assert b.round == a.round
+    c.shutdown()
+    assert not a.is_closed(), "an agent that gives up leaves the job alone"
+
+
+def test_an_agent_told_to_stop_says_so_in_its_member_record_and_stops_waiting_for_a_round(
+    agents: Agents, etcd: EtcdServer
+) -> None:
+    put(etcd.endpoint, KEYS.controller, ControllerPresence("test", time.time()).to_json())
+    a, b = agents.make("n0", (1, 3), last_call_timeout="0.3"), agents.make("n1", (1, 3))
+    assert a.next_rendezvous().world_size == 1
+    assert a.in_round()
+    # n1 joins the running job and waits for the controller to let it in.
+    joining = agents.join(b)[0]
+    wait_until(lambda: "n1" in a.view.joins, 10, "n1's join record")
+    assert not b.in_round()
+    now = time.time()
+    b.notice_leaving(now, now + 30, now + 0.5, "the test says stop")
+    with pytest.raises(JoinStopped, match="the test says stop"):
+        joining.result(10)
+    assert time.time() - now >= 0.5
+    member = a.view.members["n1"]
+    assert (member.leaving_since, member.leaving_by) == (now, now + 30)
+    b.shutdown()
+    assert not a.is_closed(), "an agent told to stop leaves the job alone"
+    # A member told to stop later says so too, and keeps its round meanwhile.
+    a.notice_leaving(now, now + 30, now + 27, "the test says stop")
+    wait_until(lambda: a.view.members["n0"].leaving_by == now + 30, 10, "n0's member record to say it leaves")
+    assert a.num_nodes_waiting() == 0 and a.in_round()
 
 
 def test_a_lost_member_is_seen_and_its_agent_re_registers(agents: Agents, etcd: EtcdServer) -> None:

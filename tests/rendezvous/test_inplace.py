@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from regroup.demo.etcd_server import EtcdServer
-from tests.rendezvous.inplace_job import InPlaceJob, wait_for
+from tests.rendezvous.inplace_job import InPlaceJob
 from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
 from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
 from regroup.trainer.checkpoint_folders import latest_committed
@@ -110,16 +110,16 @@ def test_a_planned_shrink_and_grow_in_place_lose_no_step_and_keep_the_survivors(
     pids = _start(job, ["a", "b", "c"])
 
     ack = job.checkpoint(1)
+    before = job.members()["c"]["joined_at"]
     job.reform(1, ["a", "b"], cause="reclaim")
-    assert job.procs["c"].wait(60) == 0, "the node left out of the round exits cleanly"
     shrunk = job.await_progress("training at 2 ranks", lambda p: p.world_size == 2 and p.step > ack.step)
     assert (shrunk.resumed_from_step, shrunk.reform_mode) == (ack.step, "in-place")  # 0 steps lost
     # c handed its shards to a survivor before it left: nothing was read back from disk.
     assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
     assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
 
-    job.start("c")
-    wait_for(lambda: "c" in job.members(), 60, "c registering as a joiner")
+    # c's agent stays (never exit 0 for a job that goes on) and asks to be let back in.
+    job.await_joiner("c", after=before)
     ack = job.checkpoint(2)
     job.reform(2, ["a", "b", "c"], cause="grow")
     grown = job.await_progress("training at 3 ranks", lambda p: p.world_size == 3 and p.step > ack.step)
@@ -200,14 +200,14 @@ def test_in_place_and_restart_reforms_follow_the_uninterrupted_trajectory(
         job.await_progress("3 ranks training", lambda p: p.world_size == 3 and p.step >= 5)
         pid_a = job.workers("a")
         ack = job.checkpoint(1)
+        before = job.members()["c"]["joined_at"]
         job.reform(1, ["a", "b"], cause="reclaim")
         job.await_progress("2 ranks training", lambda p: p.world_size == 2 and p.step >= ack.step + 3)
         # Held at this boundary (checkpoint request with hold) until c is up: the steps left
         # to train at 3 ranks do not depend on how long c takes to start.
         ack = job.checkpoint(2, timeout=180)
         assert ack.step < steps - 5, "the run must still have steps to train at 3 ranks"
-        job.start("c")
-        wait_for(lambda: "c" in job.members(), 120, "c registering as a joiner")
+        job.await_joiner("c", after=before)  # left out, c's agent stays and asks to be let back in
         job.reform(2, ["a", "b", "c"], cause="grow")
         for node in ("a", "b", "c"):
             assert job.procs[node].wait(120) == 0, job.log(node)[-3000:]

@@ -166,8 +166,10 @@ class _Agent:
 
     _await_workers = InPlaceAgent._await_workers
     _exited = InPlaceAgent._exited
+    _check_notice = InPlaceAgent._check_notice
 
     def __init__(self, channel: Path, pids: dict[int, int]) -> None:
+        self._notice = None
         self._channel = channel
         self._pcontext = SimpleNamespace(pids=lambda: pids, wait=lambda timeout: None, subprocess_handlers={})
         self._worker_group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(node="c", round=4)))
@@ -235,32 +237,32 @@ class _LeavingAgent(_Agent):
             node="c", round=4, left_out=lambda: True, abandon_round=lambda: self.calls.append("abandon_round")
         )
 
-    def _rendezvous(self, worker_group: Any, publish: bool = True) -> None:
-        self.calls.append(f"rendezvous(publish={publish})")
+    def _rendezvous(self, worker_group: Any, publish: bool = True, in_world: bool = False) -> None:
+        self.calls.append(f"rendezvous(publish={publish}, in_world={in_world})")
         if not self.taken_back:
-            raise SystemExit(0)  # what the handler does when the round leaves this node out
+            raise agent_module._LeftOut("left out")  # what the agent's own rendezvous does then
 
     def _restart_workers(self, worker_group: Any) -> None:
         self.calls.append("restart_workers")
 
 
 @pytest.mark.parametrize("taken_back", [False, True], ids=["left-out", "taken-back"])
-def test_a_leaving_nodes_agent_leaves_once_its_workers_left(
+def test_a_leaving_nodes_agent_joins_once_its_workers_left(
     tmp_path: Path, agent_log: Recorder, taken_back: bool
 ) -> None:
     _write_report(tmp_path, 0, 100, "leaving", time.time())
     agent = _LeavingAgent(tmp_path, {0: 100}, taken_back)
     group = agent._worker_group
     group.workers = []
+    agent._reform_in_place(group)
     if not taken_back:
-        with pytest.raises(SystemExit):
-            agent._reform_in_place(group)
-        assert agent.calls == ["rendezvous(publish=False)"]
+        # Left out, not told to stop: its workers (which left their world, some perhaps with
+        # exit 0) are replaced by fresh ones, and the agent asks to be let back in.
+        assert agent.calls == ["rendezvous(publish=False, in_world=True)", "restart_workers"]
     else:
         # The controller took the node back after its workers were told to go: they are not
         # handed the round (some may have exited 0), they are restarted, as a membership change.
-        agent._reform_in_place(group)
-        assert agent.calls == ["rendezvous(publish=False)", "abandon_round", "restart_workers"]
+        assert agent.calls == ["rendezvous(publish=False, in_world=True)", "abandon_round", "restart_workers"]
         assert agent_log.named("taken into the round after its workers were told this node leaves; restarting them")
     announced = NodeWorld.read(tmp_path)
     assert announced is not None and announced.pending and announced.leaving

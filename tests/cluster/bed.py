@@ -1,0 +1,164 @@
+"""A whole cluster on this machine, for the tests of what happens to a running job.
+
+The Kubernetes API stand-in (``kubeapi``) with graceful pod deletion, evictions and
+disruption budgets; a kubelet stand-in (``tests.kubeapi.kubelet``) that runs each bound
+pod's container as a real process and restarts or ends it as a kubelet does; each
+container a real ``regroup-run --standby`` agent whose workers run the built-in trainer on
+gloo with real checkpoints; real etcd; and the real controller with its Kubernetes adapter.
+Nothing is mocked; the test acts as ``kubectl`` (evict, cordon) and reads what etcd and the
+API server hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from kubeapi import objects
+from kubeapi.server import FakeKubeAPI
+from regroup.controller.settings import ControllerSettings
+from regroup.demo.etcd_server import EtcdServer
+from regroup.etcd import EtcdSettings
+from regroup.keys import JobKeys
+from regroup.records import Progress, ReformPlan
+from tests.controller.harness import Cluster, controller, fast_settings
+from tests.kubeapi.kubelet import ContainerCommand, Kubelet
+from tests.trainer.harness import events, write_config
+
+NS = "ml"
+JOB = "llm"
+WAIT = 120.0
+"""Upper bound for what a loaded 2-core machine does well within it (a re-form, a start)."""
+
+
+@dataclass
+class Bed:
+    """The test's hands on the cluster: nodes and pods through the stand-in, the job's
+    records through etcd, the agents' logs on disk."""
+
+    api: FakeKubeAPI
+    etcd: EtcdServer
+    cluster: Cluster
+    root: Path
+    env: dict[str, str]
+    kubelet: Kubelet | None = None
+    trainer: dict[str, Any] = field(default_factory=dict)
+    term_grace: float = 30.0
+    """``regroup-run --term-grace``: the pods' ``terminationGracePeriodSeconds``."""
+
+    def __post_init__(self) -> None:
+        sections = {
+            "batch": {"global_batch_size": 12},
+            "checkpoint": {"dir": str(self.root / "ckpt"), "every_steps": 10},
+            "etcd": {"endpoint": self.etcd.endpoint, "job": JOB, "namespace": NS, "progress_interval": "100ms"},
+            "snapshot": {"every": 1},
+            "max_steps": 100000,
+            "step_time_floor": "50ms",
+            "device": "cpu",
+            **self.trainer,
+        }
+        self.config = write_config(self.root / "train.yaml", **sections)
+        self.keys = JobKeys(NS, JOB)
+
+    # -- the workload ------------------------------------------------------------------------
+
+    def add(self, node: str, *, restart_policy: str = "Always", min_nodes: int = 1, max_nodes: int = 3) -> str:
+        """A node and the job's worker pod bound to it (the kubelet starts its agent)."""
+        if self.api.get("Node", node) is None:
+            self.api.create(objects.node(node))
+        name = f"{JOB}-{node}"
+        notes = {
+            "regroup.dev/min-nodes": str(min_nodes), "regroup.dev/max-nodes": str(max_nodes),
+            "regroup.dev/checkpoint-timeout": "20s", "regroup.dev/join-window": "1s",
+        }  # fmt: skip
+        pod = objects.pod(NS, name, job=JOB, node=node, annotations=notes, phase="Pending",
+                          termination_grace_period=int(self.term_grace))  # fmt: skip
+        pod["spec"]["restartPolicy"] = restart_policy
+        self.api.create(pod)
+        return name
+
+    def launch(self, pod: dict[str, Any]) -> ContainerCommand:
+        node = pod["spec"]["nodeName"]
+        argv = [
+            sys.executable, "-m", "regroup.rendezvous.inplace.launcher", "--standby",
+            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.etcd.endpoint}", f"--rdzv-id={JOB}",
+            "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
+            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=300", f"--term-grace={self.term_grace:g}",
+            "--local-addr=127.0.0.1", "-m", "regroup.trainer", "--config", str(self.config),
+        ]  # fmt: skip
+        env = {**self.env, "POD_NAME": pod["metadata"]["name"], "POD_NAMESPACE": NS, "NODE_NAME": node}
+        return ContainerCommand(argv, env, self.root / "logs" / f"{node}.log")
+
+    def log(self, node: str) -> str:
+        path = self.root / "logs" / f"{node}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def events(self, node: str, name: str) -> list[dict[str, Any]]:
+        return events(self.log(node), name)
+
+    async def logged(self, node: str, name: str, timeout: float = WAIT) -> list[dict[str, Any]]:
+        """Await the agent or workers of ``node`` logging event ``name`` (a file: polled)."""
+        async with asyncio.timeout(timeout):
+            while not (found := self.events(node, name)):
+                await asyncio.sleep(0.1)
+        return found
+
+    def pod(self, node: str) -> dict[str, Any] | None:
+        return self.api.get("Pod", f"{JOB}-{node}", NS)
+
+    def kube_events(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.api.events(NS) if e.get("reason") == reason]
+
+    # -- the job's records -------------------------------------------------------------------
+
+    async def progress(self, what: str, predicate: Callable[[Progress], bool], timeout: float = WAIT) -> Progress:
+        try:
+            return await self.cluster.wait_record(self.keys.progress, Progress, predicate, timeout)
+        except TimeoutError:
+            raise AssertionError(f"no progress with {what} within {timeout:.0f}s") from None
+
+    async def plan(self, what: str, predicate: Callable[[ReformPlan], bool], timeout: float = WAIT) -> ReformPlan:
+        try:
+            return await self.cluster.wait_record(self.keys.plan, ReformPlan, predicate, timeout)
+        except TimeoutError:
+            raise AssertionError(f"no re-form plan with {what} within {timeout:.0f}s") from None
+
+    async def until(self, what: str, predicate: Callable[[FakeKubeAPI], Any], timeout: float = WAIT) -> Any:
+        try:
+            return await self.api.wait_for(predicate, timeout=timeout)
+        except TimeoutError:
+            raise AssertionError(f"the cluster did not reach: {what} within {timeout:.0f}s") from None
+
+
+def settings() -> ControllerSettings:
+    return fast_settings()
+
+
+@contextlib.asynccontextmanager
+async def running(
+    api: FakeKubeAPI,
+    kubeconfig: Path,
+    etcd: EtcdServer,
+    etcd_client: Any,
+    root: Path,
+    env: dict[str, str],
+    nodes: list[str],
+    restart_policy: str = "Always",
+    **bed: Any,
+) -> AsyncIterator[Bed]:
+    """The cluster with the controller running and one worker pod per node (``restart_policy``
+    theirs); ends every process and task it started."""
+    api.graceful_pod_deletion = True
+    testbed = Bed(api, etcd, Cluster(api, etcd_client), root, env, **bed)
+    async with controller(api, kubeconfig, EtcdSettings.from_endpoint_string(etcd.endpoint), settings()):
+        async with Kubelet(api, nodes, testbed.launch, restart_backoff=timedelta(seconds=0.5)) as kubelet:
+            testbed.kubelet = kubelet
+            for node in nodes:
+                testbed.add(node, restart_policy=restart_policy)
+            yield testbed
