@@ -1,8 +1,9 @@
 """A standalone c10d ``TCPStore`` for the plain-torchrun baseline of ``regroup demo``.
 
-``python -m regroup.demo.c10d_store PORT`` serves until SIGTERM. Running the store on
-its own (as a platform would run a rendezvous service) keeps the baseline from dying
-just because the node that happened to host the store was the one lost.
+``python -m regroup.demo.c10d_store PORT`` serves until SIGTERM; it prints ``ready PORT``
+once it listens (PORT 0: a port the kernel picks, so no number is chosen before the bind).
+Running the store on its own (as a platform would run a rendezvous service) keeps the
+baseline from dying just because the node that happened to host the store was the one lost.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def main(argv: list[str]) -> int:
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print("ready", flush=True)
+    print(f"ready {store.port}", flush=True)
     stop.wait()
     del store
     return 0

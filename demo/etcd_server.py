@@ -2,7 +2,8 @@
 
 Starts the real ``etcd`` binary on free loopback ports with its data in a given
 directory, waits until it answers, and can be stopped, killed and restarted on the
-same ports and data (to test that clients ride out an etcd restart).
+same ports and data (to test that clients ride out an etcd restart). Its ports come from
+``regroup.ports``; a first start that finds one taken moves to fresh ones.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from regroup.ports import START_ATTEMPTS, Draw, PortsTaken, free_ports
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# etcd's fatal line when a listener cannot bind: "listen tcp 127.0.0.1:N: bind: address already in use".
+_IN_USE = "address already in use"
 
 
 @dataclass
@@ -44,11 +44,36 @@ class EtcdServer:
     enable_v2: bool = False
     tls: TlsFiles | None = None
     host: str = "127.0.0.1"
-    client_port: int = field(default_factory=free_port)
-    peer_port: int = field(default_factory=free_port)
+    client_port: int = 0
+    """0 (with ``peer_port`` 0): two distinct ports from ``draw_ports``, drawn again while
+    the first start finds one taken. Given: etcd starts on it or fails naming it."""
+    peer_port: int = 0
+    """0 or given, as ``client_port``; never the same port as it."""
     log_path: Path | None = None
     extra_args: tuple[str, ...] = ()
+    draw_ports: Draw = field(default=free_ports, repr=False)
+    """Where ports left 0 come from: ``regroup.ports.free_ports``, or a test's stand-in."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _movable: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.client_port == 0) != (self.peer_port == 0):
+            raise ValueError(
+                f"EtcdServer.client_port and peer_port are both given or both 0 (drawn), "
+                f"got {self.client_port} and {self.peer_port}"
+            )
+        if self.client_port == 0:
+            self._draw()
+            # Until etcd has served on them no client knows them: a start may move them.
+            self._movable = True
+        elif self.client_port == self.peer_port:
+            raise ValueError(f"EtcdServer.client_port and peer_port must differ, both are {self.client_port}")
+
+    def _draw(self) -> None:
+        client, peer = self.draw_ports(2, self.host)
+        if client == peer:
+            raise ValueError(f"EtcdServer.draw_ports gave one port twice: {client}")
+        self.client_port, self.peer_port = client, peer
 
     @property
     def endpoint(self) -> str:
@@ -95,22 +120,46 @@ class EtcdServer:
         return args + list(self.extra_args)
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
+        """Start etcd and wait until it answers. The first start of a server whose ports
+        were drawn draws fresh ones while etcd finds one taken, ``START_ATTEMPTS`` times in
+        all; later starts (after ``stop``/``kill``) keep the ports clients know. Raises
+        ``PortsTaken`` naming the ports tried."""
+        tried: list[tuple[int, int]] = []
+        while True:
+            try:
+                self._launch(timeout)
+            except PortsTaken as taken:
+                tried.append((self.client_port, self.peer_port))
+                if not self._movable or len(tried) >= START_ATTEMPTS:
+                    raise PortsTaken(f"etcd (client, peer) in {self.data_dir}", tried, taken.detail) from taken
+                self._draw()
+                continue
+            self._movable = False
+            return self
+
+    def _launch(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path or self.data_dir.parent / f"etcd-{self.client_port}.log"
         with open(log_path, "ab") as log:
+            since = log.tell()
             self._proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")},
             )  # fmt: skip
-        self.wait_ready(timeout, log_path)
-        return self
+        self.wait_ready(timeout, log_path, since)
 
-    def wait_ready(self, timeout: float, log_path: Path | None = None) -> None:
+    def wait_ready(self, timeout: float, log_path: Path | None = None, since: int = 0) -> None:
+        """Wait until etcd answers. Raises ``PortsTaken`` if it exited because a port was
+        taken (its log from offset ``since`` says so), ``RuntimeError`` if it exited otherwise."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
-                tail = log_path.read_text()[-2000:] if log_path and log_path.exists() else ""
-                raise RuntimeError(f"etcd exited with {self._proc.returncode}: {tail}")
+                code = self._proc.returncode
+                tail = _read_from(log_path, since)[-2000:] if log_path else ""
+                said = [line.strip() for line in tail.splitlines() if _IN_USE in line]
+                if said:
+                    raise PortsTaken("etcd (client, peer)", [(self.client_port, self.peer_port)], said[-1])
+                raise RuntimeError(f"etcd exited with {code}: {tail}")
             if self._healthy():
                 return
             time.sleep(0.05)
@@ -161,6 +210,15 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def make_tls_files(directory: Path, host: str = "127.0.0.1") -> TlsFiles:

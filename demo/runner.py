@@ -32,7 +32,7 @@ from regroup.demo.recorder import JobRecorder
 from regroup.demo.run_state import FlakyNode, RunState
 from regroup.demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
-from regroup.demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer
 from regroup.keys import JobKeys
 from regroup.records import Progress, ReformPhase
 
@@ -227,11 +227,11 @@ async def owned_task(coro: Any, name: str) -> AsyncIterator[asyncio.Task[Any]]:
 
 
 async def _start_c10d_store(layout: RunLayout) -> tuple[asyncio.subprocess.Process, str]:
-    port = free_port()
+    # Port 0: the store binds a port of its own and says which ("ready PORT").
     log_file = open(layout.logs / "c10d-store.log", "ab")  # noqa: SIM115, ASYNC230 - a local log, closed below
     try:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "regroup.demo.c10d_store", str(port),
+            sys.executable, "-m", "regroup.demo.c10d_store", "0",
             env=base_env(layout), stdout=asyncio.subprocess.PIPE, stderr=log_file, start_new_session=True,
         )  # fmt: skip
     finally:
@@ -239,10 +239,11 @@ async def _start_c10d_store(layout: RunLayout) -> tuple[asyncio.subprocess.Proce
     assert process.stdout is not None
     async with asyncio.timeout(60):
         line = await process.stdout.readline()
-    if line.strip() != b"ready":
+    said = line.split()
+    if len(said) != 2 or said[0] != b"ready" or not said[1].isdigit():
         await process.wait()
         raise RuntimeError(f"c10d store did not start (see {layout.logs / 'c10d-store.log'})")
-    return process, f"127.0.0.1:{port}"
+    return process, f"127.0.0.1:{int(said[1])}"
 
 
 async def _stop_process(process: asyncio.subprocess.Process) -> None:

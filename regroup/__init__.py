@@ -1,4 +1,4 @@
-"""regroup: what the parts share (etcd key layout, records, etcd access, telemetry) and the CLI.
+"""regroup: what the parts share (etcd key layout, records, etcd access, telemetry, free ports) and the CLI.
 
 Nothing in this package imports torch.
 """

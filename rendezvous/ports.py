@@ -7,7 +7,9 @@ node's workers open dozens of them per round (gloo's full mesh, stores, etcd). R
 worker binds the port only after the round formed and the workers learnt it; if an
 outgoing connection took it meanwhile, the world cannot form. Below the ephemeral range
 no outgoing connection is ever given a port, so the agent picks one there that binds
-now, and falls back to torch's way where no such range is left.
+now, and falls back to ``regroup.ports`` where no such range is left. Either way the port
+is handed out through the process's ``PortBook``, so no two rounds (or servers) of one
+process draw the same one while it may still be in use.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 import socket
 from pathlib import Path
 
-from torch.distributed.elastic.utils.distributed import get_free_port
+from regroup.ports import PORTS, PortBook
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000
@@ -33,17 +35,20 @@ def ephemeral_range(path: Path = EPHEMERAL_RANGE) -> tuple[int, int] | None:
     return low, high
 
 
-def master_port(host: str = "", rng: random.Random | None = None, path: Path = EPHEMERAL_RANGE) -> int:
-    """A port for the round's store below the ephemeral range that binds on ``host`` now."""
+def master_port(
+    host: str = "", rng: random.Random | None = None, path: Path = EPHEMERAL_RANGE, book: PortBook = PORTS
+) -> int:
+    """A port for the round's store below the ephemeral range that binds on ``host`` now
+    and that ``book`` has not handed out."""
     span = ephemeral_range(path)
     if span is None or span[0] - LOWEST < TRIES:
-        return int(get_free_port())
+        return book.free_ports(1, host)[0]
     pick = rng or random.SystemRandom()
     for _ in range(TRIES):
         port = pick.randrange(LOWEST, span[0])
-        if _binds(host, port):
+        if port not in book and _binds(host, port) and book.take(port):
             return port
-    return int(get_free_port())
+    return book.free_ports(1, host)[0]
 
 
 def _binds(host: str, port: int) -> bool:

@@ -32,11 +32,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("loss_lost_steps", "abrupt loss: steps lost", "steps"),
     Metric("grow_s", "grow: join window closed -> training at {grow_ranks}", "s", 2.0),
     Metric("grow_lost_steps", "grow: steps lost", "steps"),
+    Metric("evict_s", "eviction: evicted -> training at {evict_ranks}", "s", 1.5),
+    Metric("evict_lost_steps", "eviction: steps lost", "steps"),
+    Metric("drain_s", "drain: cordon and eviction -> training at {drain_ranks}", "s", 1.5),
+    Metric("drain_lost_steps", "drain: steps lost", "steps"),
     Metric("flaky_s", "flaky node: seconds without training", "s", 10.0),
     Metric("flaky_lost_steps", "flaky node: steps lost", "steps"),
     Metric("goodput", "goodput (useful training time / wall time)", "%", 0.90),
 )
-_EVENT_KEYS = {"reclaim": "reclaim", "lose": "loss", "restore": "grow"}
+_EVENT_KEYS = {"reclaim": "reclaim", "evict": "evict", "drain": "drain", "lose": "loss", "restore": "grow", "uncordon": "grow"}
 
 
 def measure(run: RunData, join_window: float) -> dict[str, Any]:
@@ -137,11 +141,11 @@ def metric_table(results: Sequence[dict[str, Any]]) -> list[str]:
     for metric in METRICS:
         if all(metric.key not in r for r in results):
             continue
-        label = metric.label.format(**{k: ours.get(k, "?") for k in ("reclaim_ranks", "loss_ranks", "grow_ranks")})
+        label = metric.label.format(**{k: ours.get(k, "?") for k in ("reclaim_ranks", "loss_ranks", "grow_ranks", "evict_ranks", "drain_ranks")})
         cells = [format_value(metric, ours.get(metric.key), _absent(ours, metric))]
         for other in results[1:]:
             cell = versus(metric, ours.get(metric.key), other.get(metric.key), _absent(other, metric))
-            if metric.key == "grow_s" and other.get("grow_from") == "restore + join window":
+            if metric.key == "grow_s" and str(other.get("grow_from", "")).endswith(" + join window"):
                 cell += " †"
                 note = "† no grow plan (no controller): measured from the restore + the scenario's join window."
                 if note not in footnotes:

@@ -53,7 +53,7 @@ import structlog
 
 from bench.rendezvous.fleet import Fleet, Result, write_lever
 from bench.rendezvous.join_window import WindowResult, measure_window, window_table
-from regroup.demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer
 
 BACKENDS = ("etcd-v3", "c10d", "etcd-v2")
 
@@ -160,9 +160,8 @@ def main(argv: list[str]) -> int:
     v2 = EtcdServer(data_dir=workdir / "v2", enable_v2=True).start()
     from torch.distributed import TCPStore
 
-    c10d_store = TCPStore(
-        "127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)
-    )
+    # Port 0: the store binds a port of its own (``c10d_store.port``).
+    c10d_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
     endpoints = {"etcd-v3": v3.endpoint, "etcd-v2": v2.endpoint, "c10d": f"127.0.0.1:{c10d_store.port}"}
     results: list[Result] = []
     windows: list[WindowResult] = []

@@ -12,6 +12,7 @@ import pytest
 
 from regroup.controller.status import job_status
 from regroup.keys import JobKeys
+from regroup.ports import start_on_free_ports_async
 from regroup.records import (
     CheckpointRequest,
     ExpectedMembership,
@@ -152,12 +153,15 @@ async def test_status_shows_members_progress_and_the_last_reform(cluster, kube_a
 
 
 async def test_http_serves_metrics_and_probes(cluster, kube_api, kubeconfig, etcd_settings) -> None:
-    from regroup.demo.etcd_server import free_port
-
-    port = free_port()
-    settings = replace_settings(fast_settings(), http_port=port, http_host="127.0.0.1")
     await cluster.job(JOB, ["n1", "n2"], notes(1, 4))
-    async with controller(kube_api, kubeconfig, etcd_settings, settings):
+    async with contextlib.AsyncExitStack() as running:
+
+        async def serve(ports: tuple[int, ...]) -> int:
+            settings = replace_settings(fast_settings(), http_port=ports[0], http_host="127.0.0.1")
+            await running.enter_async_context(controller(kube_api, kubeconfig, etcd_settings, settings))
+            return ports[0]
+
+        port = await start_on_free_ports_async(serve, "the controller's HTTP server")
         await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.node_count == 2)
         async with aiohttp.ClientSession() as http:
             for probe in ("healthz", "readyz"):
@@ -170,20 +174,22 @@ async def test_http_serves_metrics_and_probes(cluster, kube_api, kubeconfig, etc
 
 
 async def test_the_controller_process_runs_against_the_api_and_etcd(cluster, kube_api, kubeconfig, etcd_settings, worker_env, python, tmp_path) -> None:
-    from regroup.demo.etcd_server import free_port
-
     await cluster.job(JOB, ["n1", "n2", "n3"], notes(2, 4))
-    port = free_port()
     endpoint = etcd_settings.describe().removeprefix("http://")
     lease_ns = controller_namespace(kube_api)
     first = len(kube_api.requests)
     env = {**worker_env, "POD_NAME": "ctl-proc", "POD_NAMESPACE": lease_ns, "REGROUP_SPANS_FILE": str(tmp_path / "spans.jsonl")}
-    proc = await asyncio.create_subprocess_exec(
-        python, "-m", "regroup.cli", "controller", "--kubeconfig", str(kubeconfig), "--etcd", endpoint,
-        "--http-port", str(port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+
+    async def start(ports: tuple[int, ...]) -> tuple[asyncio.subprocess.Process, int]:
+        return await _controller_process(
+            [python, "-m", "regroup.cli", "controller", "--kubeconfig", str(kubeconfig), "--etcd", endpoint,
+             "--http-port", str(ports[0])], env, kube_api, lease_ns,
+        ), ports[0]  # fmt: skip
+
+    # It listens on every interface: the port must be free on all of them.
+    proc, port = await start_on_free_ports_async(start, "regroup controller's HTTP server", host="0.0.0.0")
     try:
-        lease = await kube_api.wait_for(lambda api: api.get("Lease", "regroup-controller", lease_ns), timeout=30)
+        lease = kube_api.get("Lease", "regroup-controller", lease_ns)
         assert lease["spec"]["holderIdentity"] == "ctl-proc"
         kube_api.patch("Node", "n1", {"spec": {"taints": [objects.taint("karpenter.sh/disrupted")]}})
         request = await cluster.wait_record(KEYS.checkpoint, CheckpointRequest)
@@ -203,3 +209,25 @@ async def test_the_controller_process_runs_against_the_api_and_etcd(cluster, kub
     # A clean shutdown hands the Lease back at once.
     assert kube_api.get("Lease", "regroup-controller", lease_ns)["spec"]["holderIdentity"] == ""
     check_rbac(kube_api, first, "regroup controller")
+
+
+async def _controller_process(argv: list[str], env: dict[str, str], kube_api, lease_ns: str) -> asyncio.subprocess.Process:
+    """``regroup controller`` started, once it holds the Lease (it serves HTTP before it
+    campaigns). Raises, the process gone, if it exited first (its stderr in the message:
+    ``start_on_free_ports_async`` starts it again if that says its port was taken)."""
+    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    leased = asyncio.ensure_future(kube_api.wait_for(lambda api: api.get("Lease", "regroup-controller", lease_ns), timeout=30))
+    exited = asyncio.ensure_future(proc.wait())
+    try:
+        await asyncio.wait({leased, exited}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leased.cancel()
+        exited.cancel()
+        outcome, _ = await asyncio.gather(leased, exited, return_exceptions=True)
+    if proc.returncode is None and not isinstance(outcome, BaseException):
+        return proc
+    if proc.returncode is None:
+        proc.kill()
+    async with asyncio.timeout(20):
+        _, err = await proc.communicate()
+    raise RuntimeError(f"regroup controller exited {proc.returncode} before holding the Lease: {err.decode()[-2000:]}")

@@ -21,8 +21,9 @@ from regroup.etcd import (
     open_watch,
     parse_endpoints,
 )
-from regroup.demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer
 from regroup.keys import JobKeys
+from regroup.ports import free_port
 from regroup.records import (
     TRACED_PHASES,
     CheckpointRequest,

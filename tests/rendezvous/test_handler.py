@@ -22,8 +22,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from regroup.etcd import EtcdSettings, EtcdUnavailable, connect, enable_auth
-from regroup.demo.etcd_server import EtcdServer, free_port, make_tls_files
+from regroup.demo.etcd_server import EtcdServer, make_tls_files
 from regroup.keys import JobKeys
+from regroup.ports import free_port
 from regroup.records import ControllerPresence, Exclusions, ExpectedMembership, MemberRecord, ReformRequest
 from regroup.rendezvous.handler import EtcdV3RendezvousHandler
 from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinStopped

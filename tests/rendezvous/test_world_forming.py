@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from regroup.demo.etcd_server import free_port
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
     STANDBY_ENV,
@@ -22,6 +21,7 @@ from regroup.rendezvous.inplace.channel import (
     WorkerReport,
     write_atomically,
 )
+from regroup.rendezvous.ports import master_port
 from tests.rendezvous.agents import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,9 @@ def _listening(port: int) -> bool:
 def test_a_world_superseded_while_forming_is_replaced_in_the_same_process(
     tmp_path: Path, worker_env: dict[str, str]
 ) -> None:
-    first, second = free_port(), free_port()
+    # Picked as an agent picks the round's MASTER_PORT: an outgoing connection of round 1
+    # cannot take round 2's port before a binds it.
+    first, second = master_port(), master_port()
     a = _worker(tmp_path / "a", worker_env)
     b = None
     try:
@@ -89,7 +91,7 @@ def test_a_world_that_cannot_form_is_given_up_within_the_form_timeout(
 ) -> None:
     # Rank 1 of this world never comes and no newer world is written: without a bound the
     # worker would wait out the collective timeout (30 s here, 10 min in the trainer).
-    port = free_port()
+    port = master_port()
     worker = _worker(tmp_path / "a", worker_env, FORM_TIMEOUT_S="2")
     try:
         write_atomically(tmp_path / "a" / WORLD_FILE, _world(1, 1, port, 0, 2))
@@ -107,7 +109,7 @@ def test_survivors_of_a_world_re_form_after_the_next_one_failed_to_form(
 ) -> None:
     # a and b train in round 1; round 2 adds c, whose node dies before c starts; round 3 is
     # a and b again. Their formation of round 2 fails midway, after round 1 was aborted.
-    p1, p2, p3 = free_port(), free_port(), free_port()
+    p1, p2, p3 = master_port(), master_port(), master_port()
     workers = [_worker(tmp_path / name, worker_env, FINAL_ROUND="3") for name in ("a", "b")]
     try:
         for rank, name in enumerate(("a", "b")):

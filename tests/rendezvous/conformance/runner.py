@@ -18,6 +18,7 @@ import abc
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -32,7 +33,8 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from regroup.demo.etcd_server import EtcdServer, free_port
+from regroup.demo.etcd_server import EtcdServer
+from regroup.ports import free_port
 from tests.rendezvous.agents import wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -259,12 +261,12 @@ class C10d(Backend):
         return {**C10D_CONF, "is_host": "1" if host else "0"}
 
     def server(self, run: Run) -> Server:
-        port = free_port()
         log = run.out / "store.log"
         launcher = run.children
-        child = launcher.spawn({"kind": "store", "env": run.env, "log": str(log), "host": "127.0.0.1", "port": port})
-        wait_until(lambda: "store serving" in _read(log), 60, "the TCPStore server")
-        return Server(f"127.0.0.1:{port}", child.pid, lambda: launcher.kill(child))
+        # Port 0: the store binds a port of its own and says which; no number is chosen before.
+        child = launcher.spawn({"kind": "store", "env": run.env, "log": str(log), "host": "127.0.0.1", "port": 0})
+        serving = wait_until(lambda: _STORE_SERVING.search(_read(log)), 60, "the TCPStore server")
+        return Server(f"127.0.0.1:{serving.group(1)}", child.pid, lambda: launcher.kill(child))
 
 
 class EtcdV3(Backend):
@@ -293,6 +295,10 @@ class EtcdV3(Backend):
         server = EtcdServer(data_dir=run.out / "etcd").start()
         assert server.pid is not None
         return Server(server.endpoint, server.pid, server.kill)  # SIGKILL ends a stopped one too
+
+
+_STORE_SERVING = re.compile(r"store serving on [^\s:]+:(\d+)")
+"""The line zygote's ``store`` request prints once its TCPStore listens."""
 
 
 def _read(path: Path) -> str:
