@@ -72,7 +72,9 @@ def termination_failed(exit_code: int | None, reason: str = "", signal: int = 0)
 
 @dataclass(frozen=True)
 class ContainerRestarts:
-    """One container's restarts, as the kubelet reports them in ``status.containerStatuses``."""
+    """One container's restarts and its latest exit, as the kubelet reports them in
+    ``status.containerStatuses``. Times are unix seconds as the API gives them (whole
+    seconds from a real API server: ``metav1.Time``)."""
 
     name: str
     count: int
@@ -80,6 +82,17 @@ class ContainerRestarts:
     last_failed: bool = True
     """Whether the termination behind its latest restart (``lastState.terminated``) was a
     failure (``termination_failed``); True when the kubelet kept none."""
+    running_since: float | None = None
+    """``state.running.startedAt``: when the instance running now started; None while none runs."""
+    exited_at: float | None = None
+    """``finishedAt`` of its latest termination (``state.terminated``, else
+    ``lastState.terminated``); None when the kubelet reports none."""
+    exit_code: int | None = None
+    """That termination's ``exitCode`` (137: SIGKILL, an OOM kill included)."""
+    exit_reason: str = ""
+    """That termination's ``reason`` (``Error``, ``Completed``, ``OOMKilled``, ...)."""
+    exit_failed: bool = True
+    """Whether that termination was a failure (``termination_failed``)."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +118,12 @@ class PodInfo:
     restart_count: int = 0
     """Sum of the containers' ``restartCount``."""
     containers: tuple[ContainerRestarts, ...] = ()
-    """Each container's restarts and whether the latest was a failure. Empty where the
-    adapter does not report them: every restart (``restart_count`` going up) is then a failure."""
+    """Each container's restarts and latest exit. Empty where the adapter does not report
+    them: every restart (``restart_count`` going up) is then a failure."""
+    agent_container: str = ""
+    """The container that runs the regroup agent: the pod's
+    ``kubectl.kubernetes.io/default-container`` annotation, else its first container in
+    ``spec.containers``; "" when unknown (every container then counts as the agent's)."""
     created_at: float = 0.0
     """Unix time of ``metadata.creationTimestamp``."""
     labels: Mapping[str, str] = field(default_factory=dict)

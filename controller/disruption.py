@@ -15,6 +15,14 @@ A deletion or a leave turns into a loss (an unplanned re-form) once less than
 
 The node's pod is the job's newest worker pod there: a replacement without the condition
 or the deletion lifts the notice, as does the condition going away or the pod being deleted.
+
+A member's agent whose container ended after the agent registered (``agent_exit``: the
+container's latest termination, or the start of the instance running now, is later than
+the member's ``joined_at``) is gone at once, whatever the member's lease still says: the
+kubelet reports the exit within a second, the lease only expires a TTL later. Decided from
+the pod's status and the member record as they are, so a restarted controller decides the
+same. The exit of an agent that announced its leave (``leaving_by``) with a code that is
+no failure (0, or 75: it handed over and left) ends that leave, and is no loss of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from regroup.controller.cluster import PodInfo
+from regroup.controller.cluster import OOM_KILLED, PodInfo
 from regroup.controller.signals import MEMBER_LEAVING, POD_DELETION, POD_DISRUPTION, ReclaimNotice, signal_key
 from regroup.records import MemberRecord
 
@@ -58,6 +66,48 @@ class AgentNotice:
     """Why the leave is a loss now (too little of it left); None: a notice."""
     lost_at: float | None = None
     """When it turns into a loss."""
+
+
+@dataclass(frozen=True)
+class ContainerExit:
+    """The end of the container a member's agent ran in, seen in its pod's status."""
+
+    why: str
+    """``pod llama-n2 container exited (code 137)``, or ``... container restarted`` when
+    the kubelet kept no termination."""
+    at: float
+    """When, by the kubelet: the termination's ``finishedAt`` (else the next instance's start)."""
+    voluntary: bool
+    """The exit code is no failure (0 or 75, ``cluster.termination_failed``)."""
+
+
+def agent_exit(pod: PodInfo, joined_at: float) -> ContainerExit | None:
+    """The exit of ``pod``'s agent container (``PodInfo.agent_container``) after the agent
+    that registered at ``joined_at`` did: its latest termination finished later, or the
+    instance running now started later. None while it runs on, or when ``joined_at`` is
+    unknown (0). The API gives whole seconds, rounded down: a time later than ``joined_at``
+    is so, whatever was cut off (an exit within the second of the registration waits for
+    the lease)."""
+    if joined_at <= 0:
+        return None
+    for c in pod.containers:
+        if pod.agent_container and c.name != pod.agent_container:
+            continue  # a sidecar's restart leaves the agent running
+        if c.exited_at is not None and c.exited_at > joined_at:
+            code = "" if c.exit_code is None else f"code {c.exit_code}"
+            reason = c.exit_reason if c.exit_reason == OOM_KILLED else ""
+            detail = ", ".join(p for p in (code, reason) if p)
+            return ContainerExit(f"pod {pod.name} container exited" + (f" ({detail})" if detail else ""), c.exited_at,
+                                 not c.exit_failed)
+        if c.running_since is not None and c.running_since > joined_at:
+            return ContainerExit(f"pod {pod.name} container restarted", c.running_since, False)
+    return None
+
+
+def pod_gone_key(node: str, pod: str) -> str:
+    """Key under which the model records when it first saw pod ``pod`` on ``node`` being
+    deleted or gone (per pod name: a pod of that name placed afresh clears it)."""
+    return signal_key(node, f"pod-gone:{pod}")
 
 
 def disruption_key(pod: PodInfo) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from regroup.controller.cluster import PodInfo
-from regroup.controller.disruption import disruption_key, going, leaving_key
+from regroup.controller.disruption import agent_exit, disruption_key, going, leaving_key, pod_gone_key
 from regroup.controller.jobconfig import ResolvedConfig, update_resolved
 from regroup.controller.multimap import index_add, index_discard
 from regroup.controller.rounds import HISTORY, JobRound
@@ -88,8 +88,9 @@ class JobState:
 
     def put_pod(self, pod: PodInfo, old: PodInfo | None, now: float) -> bool:
         """Record ``pod`` (``old``: the pod of that name before, if any). Returns whether
-        more than its restart count changed (a restart alone changes nothing the resolved
-        config or the suspects read; the storm rule reads ``restarts``, kept here)."""
+        more than its containers' restarts changed, or they ended the agent of a member
+        naming the pod (``disruption.agent_exit``). A restart alone changes nothing else the
+        resolved config or the suspects read; the storm rule reads ``restarts``, kept here."""
         self.pods[pod.name] = pod
         self.pods_view = None
         touched = old is None or not restart_only(old, pod)
@@ -98,10 +99,23 @@ class JobState:
         failed = failed_restarts(old, pod)
         if failed and pod.node is not None:
             self.restarted(pod.node, failed, now)
-        if pod.deleting and pod.node is not None and not (old is not None and old.deleting):
-            self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
+        if pod.node is not None:
+            if pod.deleting and not (old is not None and old.deleting):
+                self.first_seen.setdefault(pod_gone_key(pod.node, pod.name), now)
+            elif not pod.deleting and (old is None or old.uid != pod.uid):
+                self.first_seen.pop(pod_gone_key(pod.node, pod.name), None)  # placed afresh
         self._track_disruption(old, pod, now)
-        return touched
+        return touched or self._ended_agents(old, pod)
+
+    def _ended_agents(self, old: PodInfo | None, pod: PodInfo) -> bool:
+        """Whether ``pod``'s containers ended (or no longer end) the agent of a member naming
+        it, compared with ``old``: a live member's agent is gone at once (``agent_exit``),
+        where a restart alone wakes nothing."""
+        for node in self.member_pods.get(pod.name, ()):
+            joined = self.members[node].joined_at
+            if (agent_exit(pod, joined) is None) != (old is None or agent_exit(old, joined) is None):
+                return True
+        return False
 
     def storming(self, node: str, now: float, unresolved: bool = True) -> bool:
         """Whether ``node`` has had the job's restart-storm count of restarts within its
@@ -119,7 +133,7 @@ class JobState:
         if pod is not None:
             self.resolved = update_resolved(self.resolved, pod, None)
         if pod is not None and pod.node is not None:
-            self.first_seen.setdefault(signal_key(pod.node, "pod-gone"), now)
+            self.first_seen.setdefault(pod_gone_key(pod.node, pod.name), now)
         self._track_disruption(pod, None, now)
         return pod
 
@@ -191,9 +205,11 @@ def failed_restarts(old: PodInfo | None, new: PodInfo) -> int:
 
 def restart_only(old: PodInfo | records.MemberRecord, new: PodInfo | records.MemberRecord) -> bool:
     """Whether ``new`` (a pod or a member record) differs from ``old`` in its restart count alone
-    (for a pod, its containers' restarts with it)."""
+    (for a pod, in its containers' restarts and exits: counts, start and exit times, codes)."""
+    if isinstance(old, PodInfo) and isinstance(new, PodInfo):
+        if old.restart_count == new.restart_count and old.containers == new.containers:
+            return False
+        return old == records.evolve(new, restart_count=old.restart_count, containers=old.containers)
     if old.restart_count == new.restart_count:
         return False
-    if isinstance(old, PodInfo) and isinstance(new, PodInfo):
-        return old == records.evolve(new, restart_count=old.restart_count, containers=old.containers)
     return old == records.evolve(new, restart_count=old.restart_count)

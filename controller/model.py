@@ -8,7 +8,9 @@ signal (a taint, a lost member, a joiner), because that moment starts a re-form'
 ``detect`` phase and, for taints without ``timeAdded``, its notice.
 
 A restart alone (a container's or a rank's restart count going up) wakes a decision only
-when it brings its node to the job's restart-storm threshold; a container's voluntary
+when it brings its node to the job's restart-storm threshold, or when it ends the agent of
+a live member (its container exited after the member registered: ``disruption.agent_exit``,
+a loss at once); a container's voluntary
 restart (exit 0 or 75, ``job_state.failed_restarts``) never counts towards it. Short of it, the storm rule
 reads nothing else a restart changes. Past it, the node is in a storm already: the
 decision that found it there cordoned it, asked for its pods' deletion and to look again

@@ -2,7 +2,7 @@
 
 ``4 → 3 nodes: reclaim of n3, 0 steps lost, 1.2 s``: node counts before and after, the
 cause with the nodes that left or joined, the steps lost, and the time from the first
-sighting of the signal to the trainer's first step at the new size.
+evidence of the signal to the trainers' first step at the new size.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ class JobRound:
         """``rdzv/state``'s last formed round, when the rendezvous has written one."""
         self.agents: dict[str, float] = {}
         """Node -> ``joined_at`` of the agent in the formed round (from ``rdzv/state``)."""
+        self.formed_at = 0.0
+        """When the rendezvous says the formed round formed (``rdzv/state`` ``formed_at``); 0: not known."""
         self.closed = False
         """``rdzv/state`` says the run is closed: the job is over (``set_closed``/``shutdown``)."""
         self.times: deque[float] = deque(maxlen=HISTORY)
@@ -44,6 +46,7 @@ class JobRound:
         if formed < 1 or formed == self.formed_round:
             return False, False
         self.agents = record.joined_at()
+        self.formed_at = record.formed_at
         if self.world_round is not None and formed > self.world_round:
             self._advance(now)
         self.formed_round = self.world_round = formed

@@ -75,7 +75,10 @@ class JobSnapshot:
     restarts: Mapping[str, Sequence[float]]
     """Per node, unix times (oldest first) of the rank/container restarts observed there for this job."""
     round_times: Sequence[float]
-    """Unix times the job's round advanced (rendezvous rounds)."""
+    """Unix times the job's round advanced (rendezvous rounds), as the controller saw it."""
+    round_formed_at: float
+    """Unix time the rendezvous formed the job's round, by its own clock (``rdzv/state``
+    ``formed_at``); 0 when it has written none."""
     plan: ReformPlan | None
     plan_revision: int
     """``mod_revision`` of ``control/plan`` (0: absent): the fencing token for writing it."""

@@ -2,8 +2,8 @@
 
 A node of the job (of its round, or with a member) is a suspect unless it is plainly
 healthy: its member is in the current round with the agent the round names and is not
-leaving, its pod is there and running, and the node is known and carries no taint, cordon
-or NotReady.
+leaving, its pod is there and running, the agent's container has not ended since the agent
+registered, and the node is known and carries no taint, cordon or NotReady.
 ``decide`` examines only suspects; every other node of the round is known healthy.
 Over-flagging is harmless (a closer look), missing one is not, so anything in doubt is
 a suspect. The model keeps each job's set up to date node by node (``refresh``) and
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from regroup.controller.disruption import agent_exit
 from regroup.controller.fleet import Fleet
 from regroup.controller.job_state import JobState
 
@@ -30,7 +31,9 @@ def is_suspect(state: JobState, fleet: Fleet, node: str) -> bool:
         return True
     if member.pod:
         pod = state.pods.get(member.pod)
-        return pod is None or pod.deleting or pod.phase in ("Failed", "Succeeded")
+        if pod is None or pod.deleting or pod.phase in ("Failed", "Succeeded"):
+            return True
+        return agent_exit(pod, member.joined_at) is not None
     return False
 
 

@@ -1,10 +1,12 @@
 """One trace per re-form, exported when it finishes, with ids fixed by its plan.
 
-The spans' start and end times are the plan's recorded moments (signal seen, decision,
-checkpoint request, ack, reform request, round formed, trainer resumed), so the trace
-is the same whichever leader finishes the re-form. The resume span is split further by
-the seconds the trainer's rank 0 reported per resume phase (startup, process group,
-reshard or load, first step).
+The spans' start and end times are the plan's recorded moments (first evidence of the
+signal, decision, checkpoint request, ack, reform request, round formed, trainers resumed),
+each taken from whoever knew it, by their own clock where they say it (``decide.phases``,
+``decide.health``), so the trace is the same whichever leader finishes the re-form, and a
+leader that takes a plan over does not stretch it to when it first looked. The resume span
+is split further by the seconds the trainer's rank 0 reported per resume phase (startup,
+process group, reshard or load, first step).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def resume_phase_times(plan: ReformPlan) -> dict[str, tuple[float, float]]:
     """(start, end) of each resume sub-phase rank 0 reported, in ``Progress.RESUME_PHASES`` order.
 
     The trainer reports durations, not moments: they are laid back to back from the resume
-    span's start and clipped to its end, which is when the controller saw the new progress.
+    span's start and clipped to its end, the trainers' first step at the new size.
     """
     window = phase_times(plan).get(ReformPhase.RESUME.value)
     if window is None:

@@ -452,13 +452,22 @@ class LocalCluster:
                     await self._create_pod(node.name)
                 return
             restarts = pod.info.restart_count + 1
-            # The kubelet's lastState.terminated: whether this restart follows a failure.
-            container = ContainerRestarts(AGENT_CONTAINER, restarts, last_failed=termination_failed(code))
-            pod.info = replace(pod.info, restart_count=restarts, containers=(container,))
+            # As the kubelet reports it: the exit (lastState.terminated), whether it was a
+            # failure, and once restarted, when the new instance started (state.running).
+            # A signal's exit is 128 + the signal, as a container runtime reports it.
+            exit_code = code if code >= 0 else 128 - code
+            failed = termination_failed(exit_code)
+            exited = ContainerRestarts(
+                AGENT_CONTAINER, restarts, last_failed=failed, exited_at=time.time(), exit_code=exit_code,
+                exit_reason="Completed" if exit_code == 0 else "Error", exit_failed=failed,
+            )  # fmt: skip
+            pod.info = replace(pod.info, restart_count=restarts, containers=(exited,))
             log.info("agent exited, restarting", pod=pod.info.name, code=code, restarts=pod.info.restart_count)
             self._publish("pod", pod.info)
             await asyncio.sleep(self._restart_backoff.total_seconds())
             await self._start_agent(pod)
+            pod.info = replace(pod.info, containers=(replace(exited, running_since=time.time()),))
+            self._publish("pod", pod.info)
 
     async def _stop_supervisor(self, pod: _Pod) -> None:
         if pod.supervisor is not None and pod.supervisor is not asyncio.current_task():

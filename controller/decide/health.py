@@ -3,7 +3,12 @@
 A node is leaving under its own notice (a reclaim taint, a cordon), its pod's (a
 disruption condition, a deletion with time left) or its agent's (``leaving_by``); the one
 that ends first counts. A pod deletion or an agent's leave with too little time left
-(``ReformSettings.min_planned_grace``) is a loss instead.
+(``ReformSettings.min_planned_grace``) is a loss instead, as is an agent whose container
+exited after it registered (``disruption.agent_exit``), whatever its lease still says.
+
+A loss counts from its first evidence (``Health.lost_since``, a re-form's ``detected_at``):
+the container's termination as the kubelet timed it, the pod's deletion as the API server
+timed it, or when the controller first saw the member or the pod gone, whichever is earliest.
 
 Also the writes that follow from that alone, whatever the re-form: cordons for restart
 storms and ``control/excluded`` for the leaving nodes.
@@ -17,7 +22,7 @@ from collections.abc import Set as AbstractSet
 
 from regroup.controller.cluster import ObjectRef, PodInfo
 from regroup.controller.decide.out import Out
-from regroup.controller.disruption import AgentNotice, PodNotice, agent_notice
+from regroup.controller.disruption import AgentNotice, PodNotice, agent_exit, agent_notice, pod_gone_key
 from regroup.controller.exclusions import LeavingNodes, exclusions_update
 from regroup.controller.jobconfig import JobConfig
 from regroup.controller.settings import ControllerSettings
@@ -101,6 +106,7 @@ def assess(
                 and not info.unschedulable
                 and node not in disruptions
                 and not member.leaving_by
+                and (pod is None or agent_exit(pod, member.joined_at) is None)
             ):
                 continue
         agent = agent_notice(node, member, s.first_seen, now, min_grace) if member is not None else None
@@ -137,29 +143,64 @@ def _member_loss(
     agent: AgentNotice | None,
     now: float,
 ) -> tuple[str | None, float]:
-    """Why the node's member (its agent or pod) is gone, and since when; (None, now) if it is
-    not. A pod being deleted, or an agent leaving, with time left to hand over is not gone:
-    it is a notice (``_node_notice``)."""
+    """Why the node's member (its agent or pod) is gone, and since when (its first evidence,
+    module docstring); (None, now) if it is not. A pod being deleted, or an agent leaving,
+    with time left to hand over is not gone: it is a notice (``_node_notice``); nor is the
+    exit of an agent that announced its leave, with a code that is no failure (its leave's end)."""
     if member is None:
-        return "member lease expired", s.first_seen.get(signal_key(node, "member-gone"), now)
+        return "member lease expired", _earliest(s.first_seen.get(signal_key(node, "member-gone"), now),
+                                                 _round_agent_exit(s, node))
     if node in world and node in s.world_agents and member.joined_at != s.world_agents[node]:
         # A new agent registered on the node: the one in the round (and its workers) died.
-        return f"agent on {node} restarted", now
+        return f"agent on {node} restarted", _earliest(now, _round_agent_exit(s, node))
     if member.pod:
         pod = pods.get(member.pod)
-        if pod is None and s.pods_synced:
-            return f"pod {member.pod} deleted", s.first_seen.get(signal_key(node, "pod-gone"), now)
-        if pod is not None and pod.deleting:
-            notice = disruptions.get(node)
-            if notice is None or notice.pod.name != pod.name:
-                return f"pod {member.pod} deleted or evicted", s.first_seen.get(signal_key(node, "pod-gone"), now)
-            if notice.lost is not None:
-                return notice.lost, s.first_seen.get(signal_key(node, "pod-gone"), now)
-        if pod is not None and pod.phase in ("Failed", "Succeeded"):
-            return f"pod {member.pod} {pod.phase}", now
+        gone_seen = s.first_seen.get(pod_gone_key(node, member.pod), now)
+        if pod is None:
+            if s.pods_synced:
+                return f"pod {member.pod} deleted", gone_seen
+        else:
+            deleted = _deleted_at(pod)
+            ended = agent_exit(pod, member.joined_at)
+            if ended is not None and not (ended.voluntary and member.leaving_by > 0):
+                return ended.why, _earliest(ended.at, deleted)
+            if pod.deleting:
+                since = _earliest(gone_seen, deleted, ended.at if ended is not None else None)
+                notice = disruptions.get(node)
+                if notice is None or notice.pod.name != pod.name:
+                    return f"pod {member.pod} deleted or evicted", since
+                if notice.lost is not None:
+                    return notice.lost, since
+            if pod.phase in ("Failed", "Succeeded"):
+                return f"pod {member.pod} {pod.phase}", ended.at if ended is not None else now
     if agent is not None and agent.lost is not None:
         return agent.lost, now
     return None, now
+
+
+def _earliest(first: float, *others: float | None) -> float:
+    return min([first, *(t for t in others if t is not None)])
+
+
+def _deleted_at(pod: PodInfo) -> float | None:
+    """When the pod's deletion was asked for, by the API server (``deletionTimestamp`` less
+    its grace); None when not being deleted or not known."""
+    if not pod.deleting or pod.deletion_deadline is None or pod.deletion_grace_seconds is None:
+        return None
+    return pod.deletion_deadline - pod.deletion_grace_seconds
+
+
+def _round_agent_exit(s: JobSnapshot, node: str) -> float | None:
+    """When the container of the agent the round names on ``node`` ended, by its pod there
+    (the node's newest worker pod), if it did: evidence of a loss seen otherwise first."""
+    joined = s.world_agents.get(node)
+    workers = s.resolved.workers_by_node.get(node)
+    if not joined or not workers:
+        return None
+    # The grouping may hold an older copy of the pod (a restart alone keeps it): read it fresh.
+    pod = s.pods_by_name.get(max(workers, key=lambda p: (p.created_at, p.name)).name)
+    ended = agent_exit(pod, joined) if pod is not None else None
+    return ended.at if ended is not None else None
 
 
 def _node_notice(

@@ -3,6 +3,12 @@
 Each step either waits (and says for what), moves the plan to its next phase, or ends it
 (``writes.finish``): completed once the trainer resumes at the new size, superseded when
 the world it plans for can no longer form, timed out when it does not form in time.
+
+The moment a phase ends is taken from whoever made it end, by their own clock where they
+say it: the trainer's ack (``CheckpointAck.acked_at``), the rendezvous' round
+(``RoundState.formed_at``), the trainer's first step at the new size (``Progress.time``);
+each bounded by the phase's start and by now. So a plan a new leader takes over ends its
+phases when they ended, not when the new leader first looked.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from regroup.controller.decide.situation import Situation
 from regroup.controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
 from regroup.controller.signals import signal_key
 from regroup.controller.snapshot import JobSnapshot, WriteCheckpointRequest, WritePlan
-from regroup.records import Progress, ReformOutcome, ReformPhase, ReformPlan, evolve
+from regroup.records import CheckpointAck, Progress, ReformOutcome, ReformPhase, ReformPlan, evolve
 
 PhaseStep = Callable[[Situation, ReformPlan, list[str]], str]
 """One phase's step: (situation, plan, its target nodes now lost) -> the decision's reason."""
@@ -49,7 +55,7 @@ def _checkpoint(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
         else:
             out.again_in(plan.checkpoint_deadline - now)
             return f"re-form {plan.generation}: waiting for the checkpoint ack"
-    acked_at = min(now, s.first_seen.get(signal_key("", f"ack:{plan.generation}"), now)) if ack else now
+    acked_at = _acked_at(s, plan, ack, now) if ack is not None else now
     nodes = [n for n in plan.nodes_after if n not in health.lost]
     if len(nodes) < sit.config.min_nodes:
         why = f"only {len(nodes)} target nodes left, below min {sit.config.min_nodes}"
@@ -93,7 +99,10 @@ def _rendezvous(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     formed = newer and set(plan.nodes_after) <= s.world_seen
     if formed or not pending:
         round_after = s.world_round if formed else max(members[n].round for n in plan.nodes_after)
-        updated = evolve(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=now)
+        done_at = now
+        if formed and s.round_formed_at > 0:
+            done_at = min(now, max(s.round_formed_at, plan.reform_requested_at))
+        updated = evolve(plan, phase=ReformPhase.RESUME, round_after=round_after, rendezvous_done_at=done_at)
         out.actions.append(WritePlan(updated, s.plan_revision))
         out.again_in(sit.settings.reform.resume_timeout.total_seconds())
         return f"re-form {plan.generation}: round {round_after} formed with {len(plan.nodes_after)} nodes"
@@ -125,12 +134,11 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         and s.progress_revision > plan.progress_revision
         and (plan.world_size_target == 0 or progress.world_size == plan.world_size_target)
     ):
-        seen = min(now, s.first_seen.get(signal_key("", "progress"), now))
         lost_steps = _lost_steps(plan, progress)
         # Only the trainer's rank 0 knows how its world came to be and where the resume time
         # went; the plan carries that to the re-form's trace.
         resumed = evolve(
-            plan, resumed_at=max(seen, plan.rendezvous_done_at), resumed_from_step=progress.resumed_from_step,
+            plan, resumed_at=resumed_at(plan, progress, now), resumed_from_step=progress.resumed_from_step,
             lost_steps=lost_steps, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
         )
         return finish(s, resumed, now, ReformOutcome.COMPLETED, out, f"resumed from step {progress.resumed_from_step}")
@@ -145,6 +153,30 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         return finish(s, plan, now, ReformOutcome.TIMEOUT, out, "the trainer reported no progress at the new size")
     out.again_in(limit - elapsed)
     return f"re-form {plan.generation}: waiting for the trainer to resume at the new size"
+
+
+def _acked_at(s: JobSnapshot, plan: ReformPlan, ack: CheckpointAck, now: float) -> float:
+    """When the checkpoint was acked: the trainer's ``acked_at`` where it gives one, not
+    before the request nor after the controller first saw the ack."""
+    seen = min(now, s.first_seen.get(signal_key("", f"ack:{plan.generation}"), now))
+    if ack.acked_at <= 0:
+        return seen
+    return min(seen, max(ack.acked_at, plan.checkpoint_requested_at))
+
+
+def resumed_at(plan: ReformPlan, progress: Progress, now: float) -> float:
+    """When the trainers completed their first step at the new size, by their own clock:
+    the ``time`` of ``progress``, the record that completes ``plan``, when it is that step's
+    record (rank 0 publishes it at once). A later one (the leader that completes the plan
+    came after more progress: a new leader) is as late as the latest step; the resume then
+    ended, by rank 0's account of it, ``sum(resume_phases)`` after the round formed, where
+    that is earlier. Never before the rendezvous ended, nor after ``now``."""
+    at = progress.time
+    if progress.step > progress.resumed_from_step + 1:
+        took = sum(v for v in progress.resume_phases.values() if isinstance(v, int | float) and v > 0)
+        if took > 0:
+            at = min(at, plan.rendezvous_done_at + took)
+    return min(now, max(at, plan.rendezvous_done_at))
 
 
 def _lost_steps(plan: ReformPlan, progress: Progress) -> int:

@@ -98,26 +98,72 @@ def pod_disruption(meta: ObjectMeta, spec: dict[str, Any], status: dict[str, Any
     return None
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _failed(termination: dict[str, Any]) -> bool:
+    reason = termination.get("reason")
+    code, signal = _int(termination.get("exitCode")), _int(termination.get("signal")) or 0
+    return termination_failed(code, reason if isinstance(reason, str) else "", signal)
+
+
+def _state(container: dict[str, Any], key: str) -> dict[str, Any]:
+    """``container[key]`` (``state`` or ``lastState``) as a dict of its one entry."""
+    state = container.get(key)
+    return state if isinstance(state, dict) else {}
+
+
+def _time(entry: Any, field: str) -> float | None:
+    value = entry.get(field) if isinstance(entry, dict) else None
+    return parse_time(value if isinstance(value, str) else None)
+
+
 def container_restarts(status: dict[str, Any]) -> tuple[ContainerRestarts, ...]:
-    """Each container's ``restartCount`` and whether its ``lastState.terminated`` (the
-    termination behind the latest restart, as the kubelet keeps it) was a failure."""
+    """Each container's ``restartCount``, whether its ``lastState.terminated`` (the
+    termination behind the latest restart, as the kubelet keeps it) was a failure, when the
+    instance running now started, and its latest termination (``state.terminated`` while it
+    is terminated, else ``lastState.terminated``): when, with which code, a failure or not."""
     found = []
     for container in status.get("containerStatuses") or ():
         if not isinstance(container, dict):
             continue
-        count = container.get("restartCount", 0)
-        count = count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0
-        last = (container.get("lastState") or {}).get("terminated")
-        failed = True
-        if isinstance(last, dict):
-            code, reason, signal = last.get("exitCode"), last.get("reason"), last.get("signal")
-            failed = termination_failed(
-                code if isinstance(code, int) and not isinstance(code, bool) else None,
-                reason if isinstance(reason, str) else "",
-                signal if isinstance(signal, int) and not isinstance(signal, bool) else 0,
+        count = _int(container.get("restartCount"))
+        count = count if count is not None and count >= 0 else 0
+        state, last = _state(container, "state"), _state(container, "lastState").get("terminated")
+        failed = _failed(last) if isinstance(last, dict) else True
+        latest = state.get("terminated")
+        latest = latest if isinstance(latest, dict) else last if isinstance(last, dict) else None
+        reason = latest.get("reason") if latest is not None else None
+        found.append(
+            ContainerRestarts(
+                str(container.get("name", "")),
+                count,
+                failed,
+                running_since=_time(state.get("running"), "startedAt"),
+                exited_at=_time(latest, "finishedAt"),
+                exit_code=_int(latest.get("exitCode")) if latest is not None else None,
+                exit_reason=reason if isinstance(reason, str) else "",
+                exit_failed=_failed(latest) if latest is not None else True,
             )
-        found.append(ContainerRestarts(str(container.get("name", "")), count, failed))
+        )
     return tuple(found)
+
+
+DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
+"""The annotation naming a pod's main container (kubectl's, for logs and exec)."""
+
+
+def agent_container(meta: ObjectMeta, spec: dict[str, Any]) -> str:
+    """The container that runs the agent: the pod's ``kubectl.kubernetes.io/default-container``
+    annotation, else its first container; "" when the pod names none."""
+    named = (meta.get("annotations") or {}).get(DEFAULT_CONTAINER)
+    if isinstance(named, str) and named:
+        return named
+    containers = spec.get("containers")
+    first = containers[0] if isinstance(containers, list) and containers else None
+    name = first.get("name") if isinstance(first, dict) else None
+    return name if isinstance(name, str) else ""
 
 
 def pod_info(obj: dict[str, Any]) -> PodInfo:
@@ -140,6 +186,7 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         deletion_grace_seconds=_seconds(meta.get("deletionGracePeriodSeconds")) if deleting else None,
         restart_count=sum(c.count for c in containers),
         containers=containers,
+        agent_container=agent_container(meta, spec),
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
         labels=labels,
         disruption=pod_disruption(meta, spec, status),

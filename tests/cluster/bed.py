@@ -20,6 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from kubeapi import objects
 from kubeapi.server import FakeKubeAPI
 from regroup.controller.settings import ControllerSettings
@@ -51,6 +53,8 @@ class Bed:
     trainer: dict[str, Any] = field(default_factory=dict)
     term_grace: float = 30.0
     """``regroup-run --term-grace``: the pods' ``terminationGracePeriodSeconds``."""
+    spans: InMemorySpanExporter | None = None
+    """The controller's exported spans (one trace per finished re-form)."""
 
     def __post_init__(self) -> None:
         sections = {
@@ -156,7 +160,8 @@ async def running(
     theirs); ends every process and task it started."""
     api.graceful_pod_deletion = True
     testbed = Bed(api, etcd, Cluster(api, etcd_client), root, env, **bed)
-    async with controller(api, kubeconfig, EtcdSettings.from_endpoint_string(etcd.endpoint), settings()):
+    async with controller(api, kubeconfig, EtcdSettings.from_endpoint_string(etcd.endpoint), settings()) as (_, spans):
+        testbed.spans = spans
         async with Kubelet(api, nodes, testbed.launch, restart_backoff=timedelta(seconds=0.5)) as kubelet:
             testbed.kubelet = kubelet
             for node in nodes:

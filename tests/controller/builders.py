@@ -53,9 +53,10 @@ def pod(node: str, notes: Mapping[str, str] | None = None, created: float = 0.0,
     )
 
 
-def member(node: str, round_: int = 1, restarts: int = 0, lws: int = 2) -> MemberRecord:
+def member(node: str, round_: int = 1, restarts: int = 0, lws: int = 2, joined_at: float = 0.0) -> MemberRecord:
     return MemberRecord(
-        node=node, pod=f"{JOB}-{node}", namespace=NS, round=round_, local_world_size=lws, restart_count=restarts
+        node=node, pod=f"{JOB}-{node}", namespace=NS, round=round_, local_world_size=lws, restart_count=restarts,
+        joined_at=joined_at,
     )
 
 
@@ -127,12 +128,13 @@ class Scene:
         return scene
 
     def round_formed(self, number: int, nodes: Iterable[str], agents: Mapping[str, float] | None = None,
-                     closed: bool = False, at: float | None = None) -> Scene:
-        """The rendezvous wrote ``rdzv/state``: round ``number`` formed with ``nodes``."""
+                     closed: bool = False, at: float | None = None, formed_at: float = 0.0) -> Scene:
+        """The rendezvous wrote ``rdzv/state``: round ``number`` formed with ``nodes`` (at
+        ``formed_at`` by its own clock), seen at ``at``."""
         nodes = sorted(nodes)
         agents = {n: 0.0 for n in nodes} if agents is None else agents
         record = RoundState(min_nodes=1, max_nodes=len(nodes) or 1, round=number, nodes=nodes,
-                            agents=[f"{n}@{t!r}" for n, t in agents.items()], closed=closed)
+                            agents=[f"{n}@{t!r}" for n, t in agents.items()], closed=closed, formed_at=formed_at)
         return self.with_record(KEYS.rdzv + "state", record, at=at)
 
     def closed(self) -> Scene:
@@ -185,6 +187,13 @@ def job(
     return scene
 
 
+def registered(s: Scene, joined_at: float) -> Scene:
+    """The job's agents all registered at ``joined_at``: their member records say so, and the
+    rendezvous' record of their round names them."""
+    s = s.with_members(dataclasses.replace(m, joined_at=joined_at) for m in s.members.values())
+    return s.round_formed(s.world_round, s.world_seen, agents={n: joined_at for n in s.world_seen})
+
+
 def with_taint(s: Scene, node: str, key: str, value: str = "", seen: float = T0, time_added: float | None = None) -> Scene:
     """``node`` gets taint ``key``, first seen at ``seen``."""
     taint = Taint(key, value, "NoSchedule", time_added)
@@ -219,8 +228,10 @@ def leaving(s: Scene, node: str, since: float = T0, by: float = T0 + 30, seen: f
     return s.with_member(record, at=since if seen is None else seen)
 
 
-def acked(s: Scene, generation: int, step: int) -> Scene:
-    ack = CheckpointAck(generation=generation, step=step, checkpoint_id=f"step-{step}", duration_s=1.0, world_size=6)
+def acked(s: Scene, generation: int, step: int, acked_at: float = 0.0) -> Scene:
+    """The trainer acked the checkpoint of ``generation`` (at ``acked_at`` by its clock; 0: not said)."""
+    ack = CheckpointAck(generation=generation, step=step, checkpoint_id=f"step-{step}", duration_s=1.0, world_size=6,
+                        acked_at=acked_at)
     return s.with_record(KEYS.root + f"acks/{generation}/commit", ack)
 
 

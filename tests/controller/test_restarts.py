@@ -52,7 +52,10 @@ def test_the_source_reads_whether_the_last_termination_failed(last: dict[str, An
     if last is not None:
         obj["status"]["containerStatuses"][0]["lastState"] = {"terminated": last}
     info = pod_info(obj)
-    assert info.containers == (ContainerRestarts("worker", 2, failed),) and info.restart_count == 2
+    [container] = info.containers
+    assert (container.name, container.count, container.last_failed) == ("worker", 2, failed) and info.restart_count == 2
+    # The latest termination is the same one here (the container runs again): its failure too.
+    assert container.exit_failed == failed and container.exit_code == (last["exitCode"] if last else None)
 
 
 def _restarts(node: str, codes: list[tuple[int, str]], start: float = T0):

@@ -8,11 +8,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from regroup.controller.cluster import ContainerRestarts
+from regroup.controller.reform_summary import resize_message
+from regroup.controller.settings import ControllerSettings
 from regroup.controller.trace_ids import new_trace_id, span_id
 from regroup.controller.tracing import emit_reform_trace
-from regroup.records import ReformPlan
+from regroup.records import Progress, ReformPlan
 
-from .builders import JOB, NS, T0
+from .builders import JOB, NS, T0, job, member, registered, step
 
 TRACE = new_trace_id(NS, JOB, 4, T0)
 # The resume phase runs 2 s, from the round forming (T0 + 10) to the new progress (T0 + 12).
@@ -82,3 +85,34 @@ def test_the_cause_and_outcome_attributes_are_the_plain_stored_strings() -> None
     assert (cause, outcome) == ("node-lost", "timeout")
     assert type(cause) is str and type(outcome) is str
     assert root.status.description == "timeout: the trainer reported no progress"
+
+
+def test_a_taken_over_loss_is_traced_from_the_container_exit_to_the_trainers_resume() -> None:
+    """The facts, each by whoever knew it: n3's agent container was SIGKILLed (the kubelet's
+    ``finishedAt``: T0 + 1); the leader saw it at T0 + 1.4, asked for the re-form and went
+    away; the rendezvous formed the round at T0 + 2.2 and the trainers completed their first
+    step at the new size at T0 + 3.1; the next leader first looked at T0 + 20."""
+    settings = ControllerSettings()
+    s = registered(job(), T0 - 600)
+    killed = ContainerRestarts("worker", 1, True, running_since=T0 + 1.5, exited_at=T0 + 1, exit_code=137,
+                               exit_reason="Error")
+    s = s.changed_pod("n3", at=T0 + 1.4, restart_count=1, containers=(killed,), agent_container="worker")
+    s, _ = step(s, T0 + 1.4, settings)
+    later = T0 + 20
+    s = s.round_formed(2, ("n1", "n2"), at=later, formed_at=T0 + 2.2)
+    first = Progress(step=101, loss=1.0, samples_seen=0, world_size=4, time=T0 + 3.1, resumed_from_step=100,
+                     reform_mode="in-place", resume_phases={"process_group": 0.5, "reshard": 0.25, "first_step": 0.5})
+    s = s.at(later).with_members(member(n, 2, joined_at=T0 - 600) for n in ("n1", "n2")).with_progress(first, 50)
+    s, _ = step(s, later, settings)
+    s, _ = step(s, later, settings)
+    plan = s.plan
+    assert plan.outcome == "completed" and plan.reason == "lost n3 (pod llama-n3 container exited (code 137))"
+    spans = spans_of(plan)
+    times = {name.removeprefix("regroup."): (round(sp.start_time / 1e9 - T0, 3), round(sp.end_time / 1e9 - T0, 3))
+             for name, sp in spans.items()}  # fmt: skip
+    assert times == {
+        "reform": (1.0, 3.1), "detect": (1.0, 1.4), "rendezvous": (1.4, 2.2), "resume": (2.2, 3.1),
+        "resume.process_group": (2.2, 2.7), "resume.reshard": (2.7, 2.95), "resume.first_step": (2.95, 3.1),
+    }  # fmt: skip
+    # The Event, the metric and `regroup status` say the same: 2.1 s, not the new leader's 19 s.
+    assert resize_message(plan) == "3 → 2 nodes: loss of n3, 0 steps lost, 2.1 s"

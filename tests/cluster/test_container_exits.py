@@ -1,0 +1,79 @@
+"""A worker whose container dies is lost from its pod's status, not a lease TTL later: the
+kubelet reports the exit (137 for a SIGKILL) and restarts the container, and the controller
+re-forms the job from that while the dead agent's member record still stands. The agent of
+the restarted container then comes back into the job.
+
+The whole cluster runs here (``tests.cluster.bed``): the API stand-in, a kubelet stand-in
+that kills and restarts containers as a kubelet does (``restartPolicy: Always``), real
+``regroup-run --standby`` agents (member lease TTL 2 s) training the built-in trainer on
+gloo, real etcd and the real controller.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubeapi.server import FakeKubeAPI
+from regroup.controller.kube.convert import parse_time
+from regroup.demo.etcd_server import EtcdServer
+from regroup.records import MemberRecord, ReformCause, ReformOutcome, ReformPhase
+from tests.cluster.bed import JOB, NS, Bed, running
+from tests.controller.harness import until
+
+pytestmark = pytest.mark.slow
+
+
+def killed(bed: Bed, node: str) -> dict[str, Any] | None:
+    """The termination the kubelet reports for the killed container of ``node``'s pod, once it does."""
+    pod = bed.pod(node)
+    for container in (pod or {}).get("status", {}).get("containerStatuses") or ():
+        terminated = (container.get("lastState") or {}).get("terminated")
+        if terminated and terminated.get("exitCode") == 137:
+            return terminated
+    return None
+
+
+async def test_a_killed_agent_container_is_lost_from_its_exit_before_its_lease_and_comes_back(
+    kube_api: FakeKubeAPI, kubeconfig: Path, etcd: EtcdServer, etcd_client: Any, tmp_path: Path,
+    worker_env: dict[str, str],
+) -> None:  # fmt: skip
+    async with running(kube_api, kubeconfig, etcd, etcd_client, tmp_path, worker_env, ["a", "b", "c"]) as bed:
+        before = await bed.progress("3 ranks training", lambda p: p.world_size == 3 and p.step >= 5)
+        member = await bed.cluster.read(bed.keys.member("b"), MemberRecord)
+        assert member is not None and member.pod == f"{JOB}-b"
+
+        # An OOM kill, as the kubelet sees one: SIGKILL of the container's whole tree.
+        assert bed.kubelet is not None
+        await bed.kubelet.kill_container(NS, f"{JOB}-b")
+        exit_ = await bed.until("the kubelet reporting b's exit", lambda _: killed(bed, "b"))
+        finished_at = parse_time(exit_["finishedAt"])
+        assert finished_at is not None and finished_at > member.joined_at
+
+        plan = await bed.plan("the loss of b", lambda p: p.cause == ReformCause.NODE_LOST and "b" in p.reason)
+        # Decided from the container's exit, while the member record (lease TTL 2 s) still
+        # stood and before the restarted container's agent registered: either of those would
+        # have named the lease ("member lease expired") or the new agent ("agent on b restarted").
+        assert plan.reason == f"lost b (pod {JOB}-b container exited (code 137))", plan
+        assert plan.detected_at == finished_at and not plan.planned and plan.nodes_after == ["a", "c"], plan
+        done = await bed.plan("the loss's re-form done",
+                              lambda p: p.generation == plan.generation and p.phase == ReformPhase.DONE)
+        assert done.outcome == ReformOutcome.COMPLETED and done.detected_at == finished_at, done
+        assert done.rendezvous_done_at <= done.resumed_at <= done.finished_at, done
+        await bed.progress("2 ranks training", lambda p: p.world_size == 2 and p.round > before.round)
+
+        # The trace starts at the container's exit and ends at the trainers' resume.
+        spans = await until(lambda: [s for s in bed.spans.get_finished_spans() if s.name == "regroup.reform"
+                                     and f"{s.context.trace_id:032x}" == done.trace_id])  # fmt: skip
+        assert spans[0].start_time == int(done.detected_at * 1e9), spans[0]
+        assert spans[0].end_time == int(done.resumed_at * 1e9), spans[0]
+        assert spans[0].attributes["regroup.cause"] == "node-lost"
+
+        # The restarted container's agent registered after the exit: not a loss, a joiner.
+        grown = await bed.plan("b back in the job", lambda p: p.generation > plan.generation
+                               and p.phase == ReformPhase.DONE and sorted(p.nodes_after) == ["a", "b", "c"])  # fmt: skip
+        assert grown.cause == ReformCause.GROW and grown.outcome == ReformOutcome.COMPLETED, grown
+        pod = bed.pod("b")
+        assert pod is not None and pod["status"]["containerStatuses"][0]["restartCount"] == 1, pod and pod["status"]
