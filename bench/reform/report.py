@@ -57,6 +57,7 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
         out[f"{key}_lost_steps"] = latency.lost_steps
         out[f"{key}_ranks"] = f"{latency.ranks_after} ranks (from {latency.ranks_before})"
         out[f"{key}_from"] = latency.start_from
+    ends = [lat.event.time for lat in latencies[1:]] + [run.ended_at]
     out["events"] = [
         {
             "event": latency.event.reason,
@@ -68,8 +69,9 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
             "measured_from_s": round(latency.start - run.started_at, 2),
             "seconds": None if latency.seconds is None else round(latency.seconds, 3),
             "lost_steps": latency.lost_steps,
+            "longest_gap_s": longest_gap(run, latency.event.time, end),
         }
-        for latency in latencies
+        for latency, end in zip(latencies, ends)
     ]
     flaky = next((i for i in event_impacts(run) if i.event.reason == "flaky"), None)
     if flaky is not None:
@@ -92,6 +94,37 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
         for change in world_changes(run)
     ]
     return out
+
+
+def longest_gap(run: RunData, start: float, end: float) -> float | None:
+    """The longest time between two progress records from ``start`` to ``end`` (the
+    record just before ``start`` included, ``end`` counted as one): how long training stood
+    still at most around an event, a stop that lasted until ``end`` included. Records come
+    every ``etcd.progress_interval``, so that is its resolution."""
+    times = [p.time for p in run.progress if p.time < end]
+    before = [t for t in times if t <= start]
+    times = before[-1:] + [t for t in times if t > start] + [end]
+    if len(times) < 2:
+        return None
+    return round(max(b - a for a, b in zip(times, times[1:])), 3)
+
+
+def event_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown rows: every scripted event of every mode, with the seconds to the new size,
+    the steps lost and the longest stand-still until the next event."""
+    rows = [
+        "| mode | event | t (s) | measured from | to the new size | steps lost | longest gap between steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for e in result["events"]:
+            seconds = "never" if e["seconds"] is None else _seconds(e["seconds"])
+            gap = "-" if e.get("longest_gap_s") is None else _seconds(e["longest_gap_s"])
+            rows.append(
+                f"| {result['mode']} | {e['event']} {', '.join(e['nodes'])} | {e['at_s']} | {e['measured_from']} "
+                f"| {seconds} ({e['ranks_before']}->{e['ranks_after']} ranks) | {e['lost_steps']} | {gap} |"
+            )
+    return rows
 
 
 def _seconds(value: float) -> str:
@@ -213,6 +246,10 @@ def render(results: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
             *header,
             "",
             *metric_table(results),
+            "",
+            "Every scripted event (the table above shows the first of a kind):",
+            "",
+            *event_table(results),
             "",
             "New worlds, as the trainer's rank 0 reported them (cause: the controller's plan for that round):",
             "",

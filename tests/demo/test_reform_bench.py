@@ -236,3 +236,16 @@ def test_a_new_world_repeating_the_last_step_of_the_old_one_is_not_a_repeat(tmp_
     reached = first_progress_at(run, T0 + 12.0, 2)
     assert reached is not None and (reached.time - T0, reached.step) == (15.0, 21)
     assert [c.mode for c in world_changes(run)] == ["in-place", "restart"]
+
+
+def test_each_event_shows_the_longest_stand_still_until_the_next(in_place: Path, tmp_path: Path) -> None:
+    """In place, training stood still only for the re-form (from the last record before the
+    event to the first after it: 9.5 -> 11.5 s, and 29.0 -> 31.5 s); on plain torchrun it
+    stopped for good at the reclaim: its stand-still lasts to the next event."""
+    ours = measure(load_run(in_place), JOIN_WINDOW)
+    assert [(e["event"], e["longest_gap_s"]) for e in ours["events"][:2]] == [
+        ("reclaim", pytest.approx(2.0)), ("lose", pytest.approx(2.5)),
+    ]  # fmt: skip
+    theirs = measure(load_run(torchrun_run(tmp_path / "torchrun")), JOIN_WINDOW)
+    reclaim = theirs["events"][0]
+    assert reclaim["event"] == "reclaim" and reclaim["longest_gap_s"] == pytest.approx(30.0 - 19.5, abs=0.6)
