@@ -60,7 +60,8 @@ def worker(state_mb: float, steps: int, rounds: int, out: Path) -> None:
     tokens = torch.randint(cfg.model.vocab_size, (samples, 64), generator=torch.Generator().manual_seed(rt.rank))
     tokens = tokens.to(rt.device)
     place = ("", os.environ.get("NODE_NAME", f"node-{rt.rank}"))  # one node per rank, as a job spreads them
-    snaps = Snapshots(model, optimizer, rt.rank, rt.world_size, place, 1, timedelta(minutes=10))
+    # Auto as with a raised snapshot.max_every: the spacing the measured cost alone asks for.
+    snaps = Snapshots(model, optimizer, rt.rank, rt.world_size, place, 1, timedelta(minutes=10), max_every=1000)
 
     def one_step(step: int, snapshots: bool) -> tuple[float, float]:
         t0 = time.perf_counter()

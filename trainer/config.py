@@ -207,18 +207,33 @@ class ReformConfig:
 class SnapshotConfig:
     """In-memory snapshots (under ``regroup-run``): every ``every`` steps each rank keeps its
     model and optimizer shards in host memory, and a copy on a rank of another node, so a
-    node lost without notice costs at most that many steps instead of everything since the
-    last committed checkpoint. Host memory: about 4x the rank's share of model + optimizer
+    node lost without notice costs at most ``max_every`` steps instead of everything since
+    the last committed checkpoint. Host memory: about 4x the rank's share of model + optimizer
     state (two generations of its own snapshot and of the copy it keeps for its sender)."""
 
     every: int | Literal["auto"] = "auto"
     """Steps between snapshots; ``auto``: every step while a snapshot costs under 2% of the
     step time (measured: steps beside a snapshot against steps without), less often when it
-    would cost more; 0: no snapshots."""
+    would cost more, never more than ``max_every`` steps apart; 0: no snapshots."""
+    max_every: int = 1
+    """The most steps a node lost without notice may cost (from a world's first snapshot
+    on): no step counts as done until a snapshot at most this many steps older is held by
+    every rank's buddy. ``every: auto`` never spaces snapshots wider; an explicit ``every``
+    larger than this is an error. Raising it lets ``auto`` take snapshots less often where
+    they cost more than 2% of a step, for up to this many lost steps."""
 
     def __post_init__(self) -> None:
         if self.every != "auto" and self.every < 0:
             raise ConfigError("snapshot.every: must be >= 0 or auto")
+        if self.max_every < 1:
+            raise ConfigError("snapshot.max_every: must be >= 1")
+        if self.every != "auto" and self.every > self.max_every:
+            # The bound is the promise: a wider explicit interval would break it without a word.
+            raise ConfigError(
+                f"snapshot.every: {self.every} is more than snapshot.max_every={self.max_every} (the most steps "
+                f"a node lost without notice may cost); set snapshot.max_every: {self.every} to accept losing "
+                f"up to {self.every} steps, or lower snapshot.every"
+            )
 
     @property
     def interval(self) -> int | None:

@@ -100,6 +100,7 @@ class ProgressReports:
             return {}
         return {
             "snapshot_every": snapshots.every,
+            "snapshot_max_every": snapshots.max_every,
             "snapshot_step": None if snapshots.committed is None else snapshots.committed.step,
             "snapshot_stall_s": round(self.counters.snapshot_stall_s, 6),
             "snapshot_host_bytes": snapshots.host_bytes,

@@ -5,8 +5,8 @@ Every K steps, at the agreed step boundary, each rank copies its model and optim
 copy to its *buddy* while the next step computes; the rank receives the copy of the rank
 whose buddy it is. When a node dies without notice, the survivors hold, between their own
 snapshots and their buddies' copies, every old rank's shards at one step, and rebuild the
-new world's sharding from memory (``regroup.trainer.reshard.redistribute``): at most K steps are
-lost instead of everything since the last committed checkpoint.
+new world's sharding from memory (``regroup.trainer.reshard.redistribute``): at most
+``max_every`` steps are lost instead of everything since the last committed checkpoint.
 
 Consistency follows the rule of ``COMMITTED`` for storage: a generation (the snapshots of
 one step) counts once every rank has copied and exchanged it, which the ranks learn at a
@@ -14,6 +14,13 @@ step boundary (``Boundary.snapshot_done``). Until then the previous generation i
 a node lost while its copy is on the wire leaves the one before to recover from. Host
 memory: two generations of this rank's shards and two of its sender's, about 4x the
 rank's share of model + optimizer state.
+
+The lost-step bound: after exchanging a generation the ranks learn, with one small
+all-reduce on the snapshots' own thread, that every buddy holds its copy; a step counts as
+done (``before_step_counts``, before the loop's count, the sample log and progress move)
+only once a generation at most ``max_every`` steps older is known to be held that way. So
+whichever node is lost, and however late a loaded machine ran the exchange, the survivors
+hold a step no more than ``max_every`` behind the newest step any rank counted.
 
 A rank and its buddy are on different nodes, and in different failure domains when the
 ranks know theirs (``REGROUP_FAILURE_DOMAIN``, else the node's zone, ``REGROUP_ZONE``, which
@@ -39,6 +46,7 @@ from torch import nn
 from regroup.trainer.reshard import HeldState, flat_state, split_state
 from regroup.trainer.snapshot_cost import (
     CostMeter,
+    Interval,
     SnapshotMemoryError,
     check_host_memory,
     host_memory_available,
@@ -63,8 +71,11 @@ class Generation:
     """Set when the copy of this rank's shards ended (stamped only if it succeeded)."""
     received: bool = False
     """The sender's copy arrived whole."""
+    swapped: threading.Event = field(default_factory=threading.Event)
+    """Set when this rank's copy, its sending and its receiving ended, whether or not they succeeded."""
     exchanged: Future[None] | None = None
-    """Ends when the copy was sent and the sender's received; raises if either failed."""
+    """Ends once every rank's buddy holds its copy (every rank learns it); raises if any
+    rank's copy or exchange failed."""
 
     def complete(self) -> bool:
         done = self.exchanged
@@ -84,15 +95,23 @@ class Snapshots:
         every: int | None,
         timeout: Any,
         ranks_on_node: int = 1,
+        max_every: int = 1,
     ) -> None:
         """Collective (every rank of the world, same order of groups): creates the exchange
         group, learns every rank's place (failure domain, node) and checks that host memory
         holds the snapshots on every node; if not, every rank raises ``SnapshotMemoryError``.
-        ``every``: steps between snapshots, None: auto."""
+        ``every``: steps between snapshots, None: auto; ``max_every``: the most steps a node
+        lost without notice may cost (``snapshot.max_every``)."""
+        if max_every < 1 or (every is not None and not 1 <= every <= max_every):
+            raise ValueError(f"snapshots every {every} steps cannot keep a loss within max_every={max_every}")
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = rank, world_size
         self.auto = every is None
-        self.every = 1 if every is None else every
+        self.max_every = max_every
+        self.interval: Interval = interval_for(None, max_every)
+        """With ``auto``: the interval chosen at the last boundary, and why."""
+        self.every = self.interval.every if every is None else every
+        """Steps between snapshots now (``auto``: from ``max_every`` down, as the cost allows)."""
         self.host_bytes = 2 * GENERATIONS * state_bytes(model)
         """Host memory the snapshots take on this rank (own and received, both generations)."""
         self.group = dist.new_group(backend="gloo", timeout=timeout)
@@ -123,22 +142,25 @@ class Snapshots:
         self._received: list[torch.Tensor] = []
         self.committed: Generation | None = None
         self.in_flight: Generation | None = None
-        self.last_step = -1
+        self.last_step: int | None = None
+        """The step of the newest snapshot taken (None: none yet in this world)."""
         self._reported = False
         self.stall_s = 0.0
         """Time the loop waited for the snapshots, in total."""
         self.meter = CostMeter()
         self._active = False
+        self._reported_interval = False
         if places[rank] == places[self.buddy[rank]] and world_size > 1:
             log.warning("snapshot buddy shares this node: a node loss falls back to storage", buddy=self.buddy[rank])
 
     # --- the loop's calls ---------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        """Whether to take one now. ``auto`` first times a few steps without (its baseline)."""
-        if not self.ready or (self.auto and not self.meter.has_baseline()):
+        """Whether to take one now: the world's first as soon as every rank has its buffers,
+        then every ``every`` steps."""
+        if not self.ready or self.in_flight is not None:
             return False
-        return self.in_flight is None and step - self.last_step >= self.every
+        return self.last_step is None or step - self.last_step >= self.every
 
     def take(self, step: int) -> None:
         """At the agreed boundary of ``step`` (the optimizer step done on every rank): copy
@@ -167,6 +189,37 @@ class Snapshots:
                 break  # failed before the copy finished: nothing more to wait for
         waited = time.perf_counter() - started
         self.stall_s += waited
+        return waited
+
+    def before_step_counts(self, step: int) -> float:
+        """Before ``step`` counts as done on this rank (the loop's step count, the sample log
+        and progress move to it): wait until every buddy holds a generation at most
+        ``max_every`` steps older, so that a node lost from then on costs at most ``max_every``
+        steps. The seconds waited. Raises when that generation's exchange failed (a peer went
+        away): the step does not count, and the world re-forms from what is held."""
+        oldest = step - self.max_every
+        if not self.ready:
+            return 0.0  # a world's first steps, before its first snapshot: nothing to wait for
+        if self.committed is not None and self.committed.step >= oldest:
+            return 0.0
+        generation = self.in_flight
+        if generation is None or generation.step < oldest:
+            return 0.0  # none could do (``due`` takes them in time): the boundary's own rules apply
+        exchanged = generation.exchanged
+        assert exchanged is not None
+        waited = 0.0
+        if not exchanged.done():
+            started = time.perf_counter()
+            wait([exchanged])  # a dead peer fails it; a frozen one is cut off by the world's watcher
+            waited = time.perf_counter() - started
+            self.stall_s += waited
+        failure = exchanged.exception()
+        if failure is not None:
+            # The original message is kept: it says whether a peer went away (regroup.failures).
+            raise RuntimeError(
+                f"step {step} does not count: the snapshot of step {generation.step} did not reach every "
+                f"buddy: {failure}"
+            ) from failure
         return waited
 
     def done(self, step: int) -> bool:
@@ -206,18 +259,35 @@ class Snapshots:
     def agreed(self, all_done: bool, mean_cost: float) -> None:
         """After a boundary: once every rank completed the in-flight generation it becomes
         the one to recover from, and (``auto``) the interval follows the agreed cost: as
-        few steps apart as keeps it under ``STALL_BUDGET`` of the step time."""
+        few steps apart as keeps it under ``STALL_BUDGET`` of the step time, and never more
+        than ``max_every``."""
         if not self.ready:
             self.ready = all_done
+            if self.ready and self.auto:
+                self._choose_interval(mean_cost)
             return
         if self.in_flight is not None and all_done:
             self.committed, self.in_flight = self.in_flight, None
             self.meter.snapshot_done()
-            if self.auto and mean_cost > 0:
-                wanted = interval_for(mean_cost)
-                if wanted != self.every:
-                    log.info("snapshot interval", every=wanted, cost_share=round(mean_cost, 4))
-                self.every = wanted
+        if self.auto:
+            self._choose_interval(mean_cost)
+
+    def _choose_interval(self, mean_cost: float) -> None:
+        # Every rank saw the same steps with and without snapshots: all agree on ``measured``.
+        chosen = interval_for(mean_cost if self.meter.measured() else None, self.max_every)
+        changed = (chosen.every, chosen.capped) != (self.interval.every, self.interval.capped)
+        if self.rank == 0 and (changed or not self._reported_interval):
+            log.info(
+                "snapshot interval",
+                every=chosen.every,
+                max_every=chosen.max_every,
+                capped=chosen.capped,
+                wanted=chosen.wanted,
+                cost_share=None if chosen.cost_share is None else round(chosen.cost_share, 4),
+                reason=chosen.reason,
+            )
+        self._reported_interval = True
+        self.interval, self.every = chosen, chosen.every
 
     def settled(self) -> None:
         """After the boundary's decisions (``agreed``, then ``take`` if ``due``): whether the
@@ -235,7 +305,7 @@ class Snapshots:
                 continue
             if generation.exchanged is not None:
                 # A peer gone (or the wire cut) fails the exchange: the copies may still be whole.
-                wait([generation.exchanged], timeout=wait_s)
+                generation.swapped.wait(wait_s)
             if generation.copied.is_set():
                 held.append(self._state(self._own[generation.slot], self.rank, generation.step))
             if generation.received:
@@ -269,6 +339,20 @@ class Snapshots:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def _run(self, generation: Generation, after: torch.cuda.Event | None) -> None:
+        try:
+            self._copy(generation, after)
+            failure = None if self.world_size == 1 else self._swap(generation)
+        finally:
+            generation.swapped.set()
+        if failure is not None:
+            raise failure  # the others learn it as the world breaks (their acknowledgement fails)
+        if self.world_size > 1:
+            # Every rank learns that every buddy holds its copy (nobody gets past this until
+            # all have): only then may a step after this generation count (``before_step_counts``).
+            dist.all_reduce(torch.ones(1, dtype=torch.int32), group=self.group)
+
+    def _copy(self, generation: Generation, after: torch.cuda.Event | None) -> None:
+        """This rank's shards into its buffer of ``generation``, stamped once whole."""
         assert self._sources is not None
         own = self._own[generation.slot]
         try:
@@ -288,8 +372,10 @@ class Snapshots:
             self._own_layout.stamp(own).copy_(torch.tensor([generation.step, self.rank], dtype=STAMP))
         finally:
             generation.copied.set()
-        if self.world_size == 1:
-            return  # no buddy: the copy is all there is
+
+    def _swap(self, generation: Generation) -> Exception | None:
+        """Send this rank's copy to its buddy and receive its sender's; what failed, if anything."""
+        own = self._own[generation.slot]
         received = self._received[generation.slot]
         self._sender_layout.stamp(received).zero_()  # a stale stamp must not pass for this generation's
         sending = dist.isend(own, self.buddy[self.rank], group=self.group)
@@ -309,8 +395,7 @@ class Snapshots:
             sending.wait()
         except Exception as exc:
             failure = failure or exc
-        if failure is not None:
-            raise failure
+        return failure
 
     def _state(self, buffer: torch.Tensor, rank: int, step: int) -> HeldState | None:
         assert self._template is not None

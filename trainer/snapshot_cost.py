@@ -1,11 +1,13 @@
 """What in-memory snapshots cost: host memory, checked before any is taken, and step time,
-measured so that ``every: auto`` spaces them to stay under ``STALL_BUDGET``."""
+measured so that ``every: auto`` spaces them to stay under ``STALL_BUDGET``, never wider
+than ``snapshot.max_every``."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
@@ -15,8 +17,8 @@ from regroup.trainer.config import ConfigError
 STALL_BUDGET = 0.02
 """With ``every: auto``: the share of step time snapshots may cost."""
 QUIET_STEPS = 4
-"""With ``every: auto``: steps timed without snapshots before the first one."""
-MAX_AUTO_EVERY = 1000
+"""With ``every: auto``: steps timed without snapshots (the first of a world excluded: it
+warms up) before a snapshot's cost is known."""
 
 
 class SnapshotMemoryError(ConfigError):
@@ -61,10 +63,46 @@ def state_bytes(model: nn.Module) -> int:
     return 3 * total
 
 
-def interval_for(cost: float) -> int:
+@dataclass(frozen=True)
+class Interval:
+    """``every: auto``'s choice of the steps between snapshots, and why."""
+
+    every: int
+    """Steps between snapshots: what the cost asks for, capped at ``max_every``."""
+    max_every: int
+    """``snapshot.max_every``: the most steps a node lost without notice may cost."""
+    wanted: int | None
+    """Steps between snapshots that keep their cost under ``STALL_BUDGET`` (None: not measured yet)."""
+    cost_share: float | None
+    """What one snapshot costs, as a share of a step without one (None: not measured yet)."""
+
+    @property
+    def capped(self) -> bool:
+        """The cost asks for wider spacing than ``max_every`` allows: snapshots cost more than the budget."""
+        return self.wanted is not None and self.wanted > self.max_every
+
+    @property
+    def reason(self) -> str:
+        if self.wanted is None or self.cost_share is None:
+            return f"cost not measured yet: snapshot.max_every={self.max_every} until it is"
+        share = f"a snapshot costs {self.cost_share:.1%} of a step"
+        if self.capped:
+            return (
+                f"{share}, every {self.wanted} steps would keep it under {STALL_BUDGET:.0%}; "
+                f"capped at snapshot.max_every={self.max_every}"
+            )
+        return f"{share}: every {self.every} keeps it under {STALL_BUDGET:.0%}"
+
+
+def interval_for(cost: float | None, max_every: int) -> Interval:
     """Steps between snapshots that keep a snapshot's ``cost`` (a share of one step) under
-    ``STALL_BUDGET`` of the step time."""
-    return max(1, min(MAX_AUTO_EVERY, math.ceil(cost / STALL_BUDGET - 1e-9)))
+    ``STALL_BUDGET`` of the step time, never more than ``max_every`` (the lost-step bound).
+    ``cost`` None (not measured yet): ``max_every``, the widest the bound allows, which leaves
+    steps without a snapshot to measure against."""
+    if cost is None:
+        return Interval(max_every, max_every, None, None)
+    wanted = max(1, math.ceil(cost / STALL_BUDGET - 1e-9))
+    return Interval(min(wanted, max_every), max_every, wanted, cost)
 
 
 class CostMeter:
@@ -89,10 +127,15 @@ class CostMeter:
     def has_baseline(self) -> bool:
         return len(self.quiet) >= QUIET_STEPS
 
+    def measured(self) -> bool:
+        """Both kinds of step were seen: ``cost`` means something. Every rank of a world sees
+        the same kinds at the same steps, so all agree on it."""
+        return self.has_baseline() and bool(self.busy)
+
     def cost(self) -> float:
         """Extra time of the steps one snapshot overlaps, as a share of a step without one
         (0 until both kinds were seen). A world's first step warms up: not in the baseline."""
-        if not self.has_baseline() or not self.busy:
+        if not self.measured():
             return 0.0
         base = statistics.median(list(self.quiet)[1:])
         extra = max(0.0, statistics.median(self.busy) - base)

@@ -1,24 +1,35 @@
-"""A node lost without notice costs at most one step: in-memory snapshots with buddy copies.
+"""A node lost without notice costs at most ``snapshot.max_every`` steps (one by default):
+in-memory snapshots with buddy copies.
 
 Real etcd, real ``regroup-run`` agents (one per node), the real trainer on gloo, real
 checkpoints. A node is SIGKILLed at a seeded random step; the survivors rebuild the state
 from their snapshots and the copies their buddies kept, and the run then follows the
-trajectory of a run that never lost a node. Losing a node and its buddy together leaves a
-rank's shards nowhere in memory: the survivors then load the last committed checkpoint.
+trajectory of a run that never lost a node. The bound holds with every core kept busy,
+where ``every: auto`` measures snapshots as costly. Losing a node and its buddy together
+leaves a rank's shards nowhere in memory: the survivors then load the last committed
+checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import subprocess
+import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from regroup.demo.etcd_server import EtcdServer
+from regroup.records import Progress
 from tests.conftest import REPO
 from tests.rendezvous.inplace_job import InPlaceJob
 from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
@@ -58,6 +69,30 @@ def _steps_done(folder: Path, world: int) -> list[int]:
     for path in folder.glob(f"samples-w{world}-r*.jsonl"):
         steps += [json.loads(line)["step"] for line in path.read_text().splitlines()]
     return steps
+
+
+@contextlib.contextmanager
+def busy_cores(env: dict[str, str]) -> Iterator[int]:
+    """Every core kept busy while the block runs: one process per core spinning at normal
+    priority (``tests/busy.py``'s ``spin``). Only these processes are ended after it."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "from tests.busy import spin; spin()"], env=env, cwd=REPO)
+        for _ in range(os.cpu_count() or 1)
+    ]
+    try:
+        yield len(spinners)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+
+
+def _lost_steps(job: InPlaceJob, shrunk: Progress) -> int:
+    """Steps the survivors train again: from the newest step any rank of the four completed
+    (its sample log, or the trainers' own ``last_step``) back to the step the three resumed from."""
+    reached = max([*_steps_done(job.root / "samples", 4), shrunk.last_step])
+    return reached - shrunk.resumed_from_step
 
 
 def _finish_and_compare(
@@ -113,8 +148,8 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
         )
         assert shrunk.reform_mode == "in-place"
         assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
-        reached = max(_steps_done(job.root / "samples", 4))
-        assert reached - shrunk.resumed_from_step <= 1, f"reached {reached}, resumed from {shrunk.resumed_from_step}"
+        lost_steps = _lost_steps(job, shrunk)
+        assert lost_steps <= 1, f"{lost_steps} steps lost: resumed from {shrunk.resumed_from_step}"
         assert shrunk.extra.get("snapshot_every") == 1
 
         left = [n for n in NODES if n != lost]  # buddies now follow the three: left[1]'s copy is on left[2]
@@ -132,3 +167,104 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
         _finish_and_compare(job, [left[0]], straight, tmp_path)
     finally:
         job.close()
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [{}, {"max_every": 3}],
+    ids=["default-auto-max_every-1", "auto-max_every-3"],
+)
+def test_on_a_busy_machine_a_node_lost_without_notice_costs_at_most_max_every_steps(
+    etcd: EtcdServer,
+    tmp_path: Path,
+    worker_env: dict[str, str],
+    straight: tuple[Path, dict[int, float]],
+    snapshot: dict[str, Any],
+) -> None:
+    """Every core busy, as on the node where ``every: auto`` once widened to 18 steps and a
+    kill cost 12: with the default settings (``auto``, ``max_every`` 1) and with a raised
+    bound, a node SIGKILLed at a random step costs at most ``max_every`` steps, the survivors
+    rebuild from memory, and the run ends where the run that never lost a node ends."""
+    max_every = snapshot.get("max_every", 1)
+    rng = random.Random(2029 + max_every)
+    lost, kill_at = rng.choice(NODES), rng.randint(8, 12)  # past auto's first measurements
+    trainer = {
+        **COMMON,
+        # Unpaced: each snapshot's exchange overlaps the next step's compute, as in a real job,
+        # instead of running in a pause after the boundary, where the kill would mostly land.
+        "step_time_floor": "0s",
+        "snapshot": snapshot,
+        # Saved only at the end: no checkpoint newer than the snapshots stands in for them.
+        "checkpoint": {"dir": str(tmp_path / "job" / "ckpt"), "every_steps": 0},
+        "data": {"sample_log": str(tmp_path / "job" / "samples")},
+    }
+    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
+    try:
+        with busy_cores(worker_env):
+            job.expect(1, NODES, "start")
+            for node in NODES:
+                job.start(node, nnodes=f"1:{len(NODES)}")
+            job.await_progress(
+                f"4 ranks past step {kill_at}", lambda p: p.world_size == 4 and p.step >= kill_at, timeout=180
+            )
+            job.kill_node(lost)
+            shrunk = job.await_progress(
+                "training at 3 ranks", lambda p: p.world_size == 3 and p.step > p.resumed_from_step, timeout=180
+            )
+        lost_steps = _lost_steps(job, shrunk)
+        assert lost_steps <= max_every, f"{lost_steps} steps lost with max_every {max_every}"
+        assert shrunk.reform_mode == "in-place"
+        assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
+        assert shrunk.extra.get("snapshot_max_every") == max_every
+        assert 1 <= shrunk.extra["snapshot_every"] <= max_every
+        widest = max(e["every"] for node in NODES for e in job.events(node, "snapshot interval"))
+        assert widest <= max_every, f"auto chose every {widest} with max_every {max_every}"
+        _finish_and_compare(job, [n for n in NODES if n != lost], straight, tmp_path)
+    finally:
+        job.close()
+
+
+def test_a_step_counts_only_once_every_buddy_holds_the_snapshot_before_it(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    """Four ranks on gloo (``snapshot_bound_worker``); one runs the exchange of the snapshot
+    of step 1 late, as a loaded node does. Every rank, even one whose own exchange neither
+    sends to nor receives from the late one, lets step 2 count only after that exchange:
+    had it counted earlier, losing the late node then (its copy of step 1 on no buddy yet)
+    would cost two steps with ``max_every`` 1."""
+    world_size, slow, delay_s = 4, 3, 1.5
+    # The test hosts the store on a port the kernel picked: no port is guessed.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    spec = json.dumps(
+        {"port": store.port, "world_size": world_size, "slow_rank": slow, "delay_s": delay_s, "out": str(tmp_path)}
+    )
+    env = {**worker_env, "GLOO_SOCKET_IFNAME": "lo"}
+    logs = [tmp_path / f"rank-{rank}.log" for rank in range(world_size)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as sink:  # a file, not a pipe nobody reads
+            argv = [sys.executable, "-m", "tests.trainer.snapshot_bound_worker", spec, str(rank)]
+            procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 120
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # reported below, with the output
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+    records = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(world_size)]
+    buddy = records[0]["buddy"]
+    sender = {b: r for r, b in enumerate(buddy)}
+    apart = [r for r in range(world_size) if slow not in (r, buddy[r], sender[r])]
+    assert apart, f"every rank exchanges with the late one ({buddy}): the test shows nothing"
+    began = records[slow]["exchange_began"]
+    for record in records:
+        assert record["counted_at"] >= began, f"rank {record['rank']} counted step 2 before the late exchange began"
+        assert record["held_sender_copy"], record
+    for rank in apart:
+        assert records[rank]["waited_s"] > 0, f"rank {rank} had nothing to wait for: {records[rank]}"

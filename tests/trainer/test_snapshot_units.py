@@ -1,16 +1,32 @@
-"""The pure parts of in-memory snapshots: buddy placement, buffer layout, the memory check."""
+"""The pure parts of in-memory snapshots: buddy placement, buffer layout, the memory check,
+the settings and the interval ``every: auto`` chooses (from costs passed in)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from structlog.testing import capture_logs
 
 from regroup.trainer.config import ConfigError
 from regroup.trainer.config_loading import config_from_dict
+from regroup.trainer.distributed import Runtime, build_sharded_model, init_runtime
+from regroup.trainer.elastic.options import options
 from regroup.trainer.reshard import HeldState
-from regroup.trainer.snapshot_cost import CostMeter, SnapshotMemoryError, check_host_memory, host_memory_available, interval_for
+from regroup.trainer.snapshot import Snapshots
+from regroup.trainer.snapshot_cost import (
+    QUIET_STEPS,
+    CostMeter,
+    SnapshotMemoryError,
+    check_host_memory,
+    host_memory_available,
+    interval_for,
+)
 from regroup.trainer.snapshot_layout import Layout, buddies, layout_for
 
 
@@ -88,11 +104,47 @@ def test_host_memory_is_capped_by_the_cgroup_limit(tmp_path: Path) -> None:
 def test_snapshot_interval_setting() -> None:
     assert config_from_dict({}).snapshot.interval is None, "auto by default"
     assert config_from_dict({"snapshot": {"every": 0}}).snapshot.interval == 0
-    assert config_from_dict({"snapshot": {"every": 5}}).snapshot.interval == 5
+    assert config_from_dict({"snapshot": {"every": 1}}).snapshot.interval == 1
+    assert config_from_dict({"snapshot": {"every": 5, "max_every": 5}}).snapshot.interval == 5
     with pytest.raises(ConfigError, match="snapshot.every: must be >= 0 or auto"):
         config_from_dict({"snapshot": {"every": -1}})
     with pytest.raises(ConfigError, match="snapshot.every: expected an integer, got 'sometimes' or must be one of"):
         config_from_dict({"snapshot": {"every": "sometimes"}})
+
+
+def test_a_node_lost_without_notice_costs_at_most_one_step_unless_max_every_says_more() -> None:
+    assert config_from_dict({}).snapshot.max_every == 1
+    assert config_from_dict({"snapshot": {"max_every": 8}}).snapshot.max_every == 8
+    for bad in (0, -3):
+        with pytest.raises(ConfigError, match=r"^snapshot.max_every: must be >= 1$"):
+            config_from_dict({"snapshot": {"max_every": bad}})
+    with pytest.raises(ConfigError, match="snapshot.max_every: expected an integer, got 'auto'"):
+        config_from_dict({"snapshot": {"max_every": "auto"}})
+
+
+def test_an_explicit_interval_wider_than_max_every_is_refused_naming_both_fields() -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_from_dict({"snapshot": {"every": 5}})
+    message = str(refused.value)
+    assert message.startswith("snapshot.every: 5 is more than snapshot.max_every=1"), message
+    assert "set snapshot.max_every: 5" in message, "says how to accept the wider bound"
+    with pytest.raises(ConfigError, match="snapshot.every: 5 is more than snapshot.max_every=4"):
+        config_from_dict({"snapshot": {"every": 5, "max_every": 4}})
+    assert config_from_dict({"snapshot": {"every": 0, "max_every": 1}}).snapshot.interval == 0, "off is always allowed"
+
+
+def test_the_public_api_takes_max_every_as_the_config_does() -> None:
+    common = {"global_batch": 12, "max_steps": 10}
+    assert options({}, **common).snapshot.max_every == 1
+    assert options({}, **common, snapshot_max_every=4).snapshot.max_every == 4
+    both = options({}, **common, snapshot_every=3, snapshot_max_every=3).snapshot
+    assert (both.every, both.max_every) == (3, 3)
+    section = options({}, **common, snapshot={"every": 2, "max_every": 6}).snapshot
+    assert (section.every, section.max_every) == (2, 6)
+    with pytest.raises(ConfigError, match="snapshot.max_every: must be >= 1"):
+        options({}, **common, snapshot_max_every=0)
+    with pytest.raises(ConfigError, match="snapshot.every: 3 is more than snapshot.max_every=1"):
+        options({}, **common, snapshot_every=3)
 
 
 def test_auto_spaces_snapshots_so_they_cost_under_two_percent_of_the_step_time() -> None:
@@ -101,15 +153,96 @@ def test_auto_spaces_snapshots_so_they_cost_under_two_percent_of_the_step_time()
     for _ in range(3):
         meter.record(1.0, busy=False)
     assert meter.has_baseline() and meter.cost() == 0.0, "nothing measured with a snapshot yet"
+    assert not meter.measured()
     meter.record(1.1, busy=True)  # a snapshot slowed its step by 10%
     meter.snapshot_done()
-    assert meter.cost() == pytest.approx(0.1)
-    assert interval_for(meter.cost()) == 5, "10% per snapshot, every 5 steps: 2%"
+    assert meter.measured() and meter.cost() == pytest.approx(0.1)
+    assert interval_for(meter.cost(), max_every=100).every == 5, "10% per snapshot, every 5 steps: 2%"
     for _ in range(2):  # the next snapshot overlapped two steps, each 10% slower
         meter.record(1.1, busy=True)
     meter.snapshot_done()
-    assert interval_for(meter.cost()) == 10
-    assert interval_for(0.0) == 1 and interval_for(0.019) == 1 and interval_for(0.021) == 2
-    assert interval_for(1e6) == 1000, "bounded"
+    assert interval_for(meter.cost(), max_every=100).every == 10
+    assert [interval_for(c, max_every=100).every for c in (0.0, 0.019, 0.021)] == [1, 1, 2]
     meter.record(0.9, busy=True)  # faster than the baseline: noise, not a negative cost
     assert meter.cost() >= 0.0
+
+
+def test_auto_never_spaces_snapshots_wider_than_max_every() -> None:
+    # The busy node's measurement: a snapshot cost 34.81% of a step, so 2% wants every 18 steps.
+    capped = interval_for(0.3481, max_every=1)
+    assert (capped.every, capped.wanted, capped.capped) == (1, 18, True)
+    assert "capped at snapshot.max_every=1" in capped.reason and "34.8%" in capped.reason
+    assert interval_for(0.3481, max_every=4).every == 4
+    raised = interval_for(0.3481, max_every=40)
+    assert (raised.every, raised.capped) == (18, False), "a raised bound lets the cost decide"
+    assert "capped" not in raised.reason
+    for cost in (0.0, 0.01, 0.05, 0.3481, 2.0, 1e6):
+        for max_every in (1, 2, 7, 1000):
+            chosen = interval_for(cost, max_every)
+            assert 1 <= chosen.every <= max_every, (cost, max_every, chosen)
+            assert chosen.every == min(chosen.wanted or 0, max_every)
+
+
+def test_auto_starts_at_max_every_until_the_cost_is_measured() -> None:
+    """Before a cost is known the widest the bound allows: it leaves steps without a
+    snapshot to measure against, and never more than ``max_every`` of them."""
+    unknown = interval_for(None, max_every=6)
+    assert (unknown.every, unknown.wanted, unknown.capped) == (6, None, False)
+    assert "not measured" in unknown.reason
+    assert interval_for(None, max_every=1).every == 1
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[Runtime]:
+    rt = init_runtime({}, "cpu", timeout=timedelta(minutes=1))  # gloo, in this process
+    try:
+        yield rt
+    finally:
+        dist.destroy_process_group()
+
+
+def _boundaries(snaps: Snapshots, steps: range, step_s: dict[bool, float], cost: float) -> list[int]:
+    """Play the loop's side of ``steps`` boundaries in a world of one: a step beside a snapshot
+    takes ``step_s[True]``, one without ``step_s[False]``; every boundary agrees on ``cost``.
+    The steps at which a snapshot was taken."""
+    taken = []
+    for step in steps:
+        snaps.wait_copied()
+        snaps.before_step_counts(step)
+        done = snaps.done(step)
+        snaps.observe(step_s[snaps.in_flight is not None])  # the step that just ran
+        snaps.agreed(done, cost if snaps.meter.measured() else 0.0)
+        if snaps.due(step):
+            snaps.take(step)
+            taken.append(step)
+        snaps.settled()
+    return taken
+
+
+@pytest.mark.parametrize("max_every", [1, 3])
+def test_a_costly_snapshot_is_still_taken_every_max_every_steps_and_the_cap_is_logged(
+    world_of_one: Runtime, max_every: int
+) -> None:
+    cfg = config_from_dict({"model": {"dim": 32, "n_layers": 1, "n_heads": 2, "seq_len": 8}})
+    model = build_sharded_model(cfg.model, 0, world_of_one.mesh, world_of_one.device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    optimizer.step()  # AdamW's state exists: the snapshots can be laid out
+    snaps = Snapshots(model, optimizer, 0, 1, ("", "n"), None, timedelta(minutes=1), max_every=max_every)
+    with capture_logs() as logs:
+        while not snaps.done(0):  # the buffers are allocated in the background
+            time.sleep(0.01)
+        snaps.agreed(True, 0.0)
+        # Steps beside a snapshot take 35% longer: 2% of the step time would want every 18.
+        taken = _boundaries(snaps, range(1, 40), {False: 1.0, True: 1.35}, cost=0.35)
+    assert taken[0] == 1, "the first snapshot comes as soon as every rank has its buffers"
+    assert all(b - a <= max_every for a, b in zip(taken, taken[1:], strict=False)), taken
+    assert taken[-1] >= 39 - max_every
+    chosen = [e for e in logs if e["event"] == "snapshot interval"]
+    assert chosen and chosen[-1]["every"] == max_every and chosen[-1]["max_every"] == max_every
+    if max_every > 1:  # with max_every 1 no step runs without a snapshot: nothing to measure against
+        assert snaps.meter.has_baseline() and len(snaps.meter.quiet) >= QUIET_STEPS
+        assert chosen[-1]["capped"] is True and chosen[-1]["wanted"] == 18, chosen
+        assert chosen[-1]["cost_share"] == pytest.approx(0.35)
+    assert snaps.every == max_every
+    snaps.close()

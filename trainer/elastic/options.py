@@ -75,6 +75,7 @@ def options(
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 0,
     snapshot_every: int | Literal["auto"] = "auto",
+    snapshot_max_every: int = 1,
     device: Literal["auto", "cpu", "cuda"] = "auto",
     log_every: int = 1,
     **sections: Any,
@@ -83,15 +84,23 @@ def options(
     ``REGROUP_ETCD_ENDPOINT``, ``TORCHELASTIC_RUN_ID`` and ``POD_NAMESPACE``; the checkpoint
     folder from ``REGROUP_CHECKPOINT_DIR``; ``REGROUP_SAMPLE_LOG``; ``REGROUP_TRAINER_FAULTS``)
     and validated as the trainer's config is: a bad value raises ``ConfigError`` naming it.
+    ``snapshot_every``/``snapshot_max_every``: ``snapshot.every`` and ``snapshot.max_every``
+    (a node lost without notice costs at most ``snapshot_max_every`` steps).
     ``sections``: any other section of the trainer config by name (``reform={...}``,
-    ``etcd={...}``, ``checkpoint={...}``), for what the keywords do not cover."""
+    ``etcd={...}``, ``checkpoint={...}``), for what the keywords do not cover; a ``snapshot``
+    section's fields take precedence over the keywords."""
+    snapshot: Any = {"every": snapshot_every, "max_every": snapshot_max_every}
+    if isinstance(sections.get("snapshot"), Mapping):
+        snapshot.update(sections["snapshot"])
+    elif "snapshot" in sections:
+        snapshot = sections["snapshot"]  # not a section: config_from_dict says what is wrong with it
     tree: dict[str, Any] = {
         "batch": {"global_batch_size": global_batch, "max_micro_batch_size": max_micro_batch},
         "max_steps": max_steps,
         "device": device,
         "log_every": log_every,
-        "snapshot": {"every": snapshot_every},
         **sections,
+        "snapshot": snapshot,
     }
     checkpoint = dict(tree.get("checkpoint") or {})
     if checkpoint_dir is not None:

@@ -127,7 +127,8 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
     that is the same on every rank. Settings: ``global_batch`` and ``max_steps`` (required),
     ``checkpoint_dir`` (default: env ``REGROUP_CHECKPOINT_DIR``; none: no checkpoints),
     ``checkpoint_every`` (steps), ``max_micro_batch``, ``snapshot_every`` (``"auto"``, N, or
-    0), ``device``, ``log_every``, ``step_time_floor`` and any other trainer config section
+    0), ``snapshot_max_every`` (the most steps a node lost without notice may cost; default
+    1), ``device``, ``log_every``, ``step_time_floor`` and any other trainer config section
     by name (``reform={...}``, ``etcd={...}``); or ``options=`` for all of them."""
 
     def __init__(
@@ -285,7 +286,7 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         self.snapshots = (
             Snapshots(
                 self.model, self.optimizer, runtime.rank, runtime.world_size, self.info.place, every,
-                self.world.timeout, self.info.ranks_on_node,
+                self.world.timeout, self.info.ranks_on_node, cfg.snapshot.max_every,
             )
             if in_place and every != 0 and runtime.world_size > 1
             else None
@@ -424,8 +425,11 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
 
     def _complete(self, step: Step) -> None:
         """A step's work is done on this rank: count it, agree at the boundary, act on it."""
-        compute_s = time.perf_counter() - step._started
         done = step.index + 1
+        if self.snapshots is not None:
+            # The lost-step bound: a step counts once a snapshot at most max_every steps older is held.
+            self.counters.snapshot_stall_s += self.snapshots.before_step_counts(done)
+        compute_s = time.perf_counter() - step._started
         self.state.step = done
         self.state.samples_seen = done * self.plan.global_batch
         if compute_s > 0:
