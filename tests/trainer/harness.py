@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +104,25 @@ def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Ten
 def check(result: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.CompletedProcess[str]:
     assert result.returncode == code, f"exit {result.returncode} (wanted {code}):\n{result.stderr[-6000:]}"
     return result
+
+
+def run_all(argvs: Sequence[list[str]], logs: Sequence[Path], env: dict[str, str], cwd: Path, timeout: float) -> None:
+    """Run each command as a process beside the others (its output to its log file, not a
+    pipe nobody reads), wait for all within ``timeout``, kill what is left, and fail naming
+    the first that did not exit 0 (-9: at the timeout), with its output."""
+    procs = []
+    for argv, log in zip(argvs, logs, strict=True):
+        with log.open("w") as sink:
+            procs.append(subprocess.Popen(argv, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # reported below, with the output
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for i, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"process {i} exited {proc.returncode} (-9: at the timeout):\n{log.read_text()[-3000:]}"

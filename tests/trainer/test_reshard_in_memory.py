@@ -11,12 +11,9 @@ second also covers processes that change rank between worlds of the same shape.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from regroup.trainer.reshard import Choice, can_redistribute, choose
+from tests.trainer.harness import run_all
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,25 +40,7 @@ def _run_workers(out: Path, timeout: float = 180) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     argv = [sys.executable, "-m", "tests.trainer.reshard_memory_worker", spec]
-    logs = [out / f"proc-{p}.log" for p in range(3)]
-    procs = []
-    for p, log in enumerate(logs):
-        # Output to files, not pipes: a full pipe would block a worker while nobody reads it.
-        with log.open("w") as sink:
-            procs.append(subprocess.Popen([*argv, str(p)], env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    try:
-        # A timeout is reported below, with every process's output.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            for proc in procs:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for p, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"process {p} exited {proc.returncode} (-9: at the timeout):\n{log.read_text()}"
+    run_all([[*argv, str(p)] for p in range(3)], [out / f"proc-{p}.log" for p in range(3)], env, REPO, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
@@ -32,7 +31,7 @@ from regroup.demo.etcd_server import EtcdServer
 from regroup.records import Progress
 from tests.conftest import REPO
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
+from tests.trainer.harness import check, flat_tensors, full_state, run_all, step_losses, torchrun, write_config
 from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL
 
 pytestmark = pytest.mark.slow
@@ -239,24 +238,9 @@ def test_a_step_counts_only_once_every_buddy_holds_the_snapshot_before_it(
         {"port": store.port, "world_size": world_size, "slow_rank": slow, "delay_s": delay_s, "out": str(tmp_path)}
     )
     env = {**worker_env, "GLOO_SOCKET_IFNAME": "lo"}
+    argv = [sys.executable, "-m", "tests.trainer.snapshot_bound_worker", spec]
     logs = [tmp_path / f"rank-{rank}.log" for rank in range(world_size)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as sink:  # a file, not a pipe nobody reads
-            argv = [sys.executable, "-m", "tests.trainer.snapshot_bound_worker", spec, str(rank)]
-            procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 120
-    try:
-        with contextlib.suppress(subprocess.TimeoutExpired):  # reported below, with the output
-            for proc in procs:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+    run_all([[*argv, str(rank)] for rank in range(world_size)], logs, env, REPO, 120)
     records = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(world_size)]
     buddy = records[0]["buddy"]
     sender = {b: r for r, b in enumerate(buddy)}

@@ -15,28 +15,17 @@ controller by writing its etcd records.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from regroup.demo.etcd_server import EtcdServer
 from regroup.records import CheckpointRequest
 from tests.rendezvous.inplace_job import InPlaceJob
+from tests.rendezvous.test_inplace import job  # noqa: F401 - the fixture: agents of the built-in trainer
 
 pytestmark = pytest.mark.slow
 
 HOLD_DEADLINE_S = 120.0
 """The stale request's deadline: a trainer that held on it would hold this long."""
-
-
-@pytest.fixture
-def job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterator[InPlaceJob]:
-    running = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def test_survivors_of_a_fallback_reform_never_hold_on_the_plans_request(job: InPlaceJob) -> None:
