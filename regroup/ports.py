@@ -141,6 +141,16 @@ def _said(error: Exception) -> str:
     return error.detail if isinstance(error, PortsTaken) else str(error)
 
 
+def _retry_or_raise(exc: Exception, ports: tuple[int, ...], tried: list[tuple[int, ...]], what: str, attempts: int) -> None:
+    """After a failed start on ``ports``: return to try fresh ports while the address was in
+    use and attempts are left; else raise (``exc`` itself, or ``PortsTaken`` naming every try)."""
+    if not address_in_use(exc):
+        raise exc
+    tried.append(ports)
+    if len(tried) >= attempts:
+        raise PortsTaken(what, tried, _said(exc)) from exc
+
+
 def start_on_free_ports(
     start: Callable[[tuple[int, ...]], T],
     what: str,
@@ -158,11 +168,7 @@ def start_on_free_ports(
         try:
             return start(ports)
         except Exception as exc:
-            if not address_in_use(exc):
-                raise
-            tried.append(ports)
-            if len(tried) >= attempts:
-                raise PortsTaken(what, tried, _said(exc)) from exc
+            _retry_or_raise(exc, ports, tried, what, attempts)
 
 
 async def start_on_free_ports_async(
@@ -180,8 +186,4 @@ async def start_on_free_ports_async(
         try:
             return await start(ports)
         except Exception as exc:
-            if not address_in_use(exc):
-                raise
-            tried.append(ports)
-            if len(tried) >= attempts:
-                raise PortsTaken(what, tried, _said(exc)) from exc
+            _retry_or_raise(exc, ports, tried, what, attempts)

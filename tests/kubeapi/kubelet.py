@@ -29,7 +29,7 @@ from typing import Any
 from kubeapi import objects
 from kubeapi.registry import timestamp
 from kubeapi.server import FakeKubeAPI
-from regroup.demo.processes import end_agent, kill_tree, process_tree, signal_known
+from regroup.demo.processes import AgentCommand, end_agent, kill_tree, process_tree, signal_known
 
 MINIMUM_KILL_GRACE = timedelta(seconds=2)
 """The runtime always gives a container this long between SIGTERM and SIGKILL, even when the
@@ -38,17 +38,9 @@ pod's grace period is shorter (kuberuntime's minimumGracePeriodInSeconds)."""
 _KUBELET_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")
 
 
-@dataclass(frozen=True)
-class ContainerCommand:
-    """How to run a pod's container."""
-
-    argv: list[str]
-    env: dict[str, str]
-    """The process's whole environment."""
-    log_path: Path
-    """stdout and stderr of the container's processes, appended (its folder is made)."""
-    cwd: Path | None = None
-    """Working directory (None: the test process's own)."""
+ContainerCommand = AgentCommand
+"""How to run a pod's container: the demo's ``AgentCommand`` (argv, the process's whole
+environment, the log its output is appended to, the working directory)."""
 
 
 ContainerLauncher = Callable[[dict[str, Any]], ContainerCommand]
