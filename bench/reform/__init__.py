@@ -1,13 +1,17 @@
-"""``python -m bench reform [--quick]``: in-place re-forms vs restarting the workers vs plain torchrun.
+"""``python -m bench reform [--quick]``: in-place re-forms vs restarting the workers vs plain torchrun vs torchft.
 
-Plays one demo scenario (``default`` unless ``--scenario``) three times in one run, one
+Plays one demo scenario (``default`` unless ``--scenario``) in each mode in one run, one
 mode after the other on the same machine:
 
 - ``regroup``: ``regroup-run --standby`` with the controller; workers survive a re-form
   in place (same process, new process group);
 - ``regroup-restart``: the same rendezvous and controller, plain torchrun agents: every
   re-form restarts every worker;
-- ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller.
+- ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller;
+- ``torchft`` (where torchft 0.2.0 is installed; ``torchft-hb1`` on request): the same
+  kill and rejoin on torchft, one replica group per node under a torchft lighthouse
+  (``torchft_peer``); it has no planned leave, join window or cordon, and its result says
+  what it could not play.
 
 For each mode it measures, from the recorded run (``regroup.demo.analysis``):
 
@@ -28,9 +32,18 @@ folder. ``--quick`` shortens the run to 110 s and leaves out the events that no 
 fit (the flaky node). ``--runs`` tabulates recorded run folders again.
 
 ``play`` drives the scenario in each mode, ``report`` measures the recorded runs and
-tabulates them, ``cli`` is the command.
+tabulates them, ``cli`` is the command; ``torchft_peer``, ``torchft_replica``,
+``torchft_lighthouse`` and ``torchft_measure`` are the torchft modes.
 """
 
-from bench.reform.cli import main
+
+def main(argv: list[str]) -> int:
+    """``python -m bench reform``. Imported on call: the torchft replicas and lighthouse
+    run as ``python -m bench.reform.<module>``, and importing the package must not load
+    the whole benchmark into each of them."""
+    from bench.reform.cli import main as cli_main
+
+    return cli_main(argv)
+
 
 __all__ = ["main"]

@@ -1,4 +1,4 @@
-"""``python -m bench reform [--quick]``: in-place re-forms vs restarting the workers vs plain torchrun.
+"""``python -m bench reform [--quick]``: in-place re-forms vs restarting the workers vs plain torchrun vs torchft.
 
 The command line: play the scenario in each mode (``bench.reform.play``), or read recorded
 run folders (``--runs``); then measure them and write the tables (``bench.reform.report``)
@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.reform.play import MODES, TAIL_S, VARIANTS, fitting, play
+from bench.reform.play import MODES, TAIL_S, VARIANTS, default_modes, fitting, missing, play
 from bench.reform.report import METRICS, measure, render
+from bench.reform.torchft_measure import is_torchft, measure_recorded
+from bench.reform.torchft_peer import PEERS
 from regroup.demo.analysis import RunData, load_run
 from regroup.demo.main import exit_codes
 from regroup.demo.scenario import (
@@ -43,11 +45,20 @@ def _join_window(name: str) -> tuple[float, str]:
 
 def _play_from(args: argparse.Namespace, header: list[str]) -> list[RunData] | int:
     """Play the scenario the arguments name in each mode; the runs, or an exit code."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in (*MODES, *VARIANTS)] or ([] if modes else [""])
+    if args.modes is None:
+        defaults, left_out = default_modes()
+        modes = list(defaults)
+        if left_out:
+            print(f"bench reform: {left_out}")
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    known = dict.fromkeys((*MODES, *VARIANTS, *PEERS))
+    unknown = [m for m in modes if m not in known] or ([] if modes else [""])
     if unknown:
-        known = ", ".join((*MODES, *VARIANTS))
-        print(f"bench reform: --modes: unknown mode {unknown[0]!r} (known: {known})", file=sys.stderr)
+        print(f"bench reform: --modes: unknown mode {unknown[0]!r} (known: {', '.join(known)})", file=sys.stderr)
+        return 2
+    if why := missing(modes):
+        print(f"bench reform: {why}", file=sys.stderr)
         return 2
     try:
         scenario = load_scenario(resolve_scenario_path(args.scenario))
@@ -81,7 +92,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help=f"a {QUICK_DURATION} run, less the events it cannot fit")
     parser.add_argument("--scenario", default="default", help="bundled scenario or YAML file (default: default)")
     parser.add_argument("--duration", help=f"run length, e.g. 150s (overrides the scenario; --quick: {QUICK_DURATION})")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; the first is the ratios' reference")
+    parser.add_argument(
+        "--modes",
+        help=f"comma-separated; the first is the ratios' reference (default: {','.join(MODES)}, torchft if installed)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for the run (default: out)")
     parser.add_argument("--name", help="run folder name (default: reform-<scenario>-<time>)")
     parser.add_argument("--runs", type=Path, nargs="+", metavar="RUN_DIR",
@@ -93,7 +107,7 @@ def main(argv: list[str]) -> int:
         try:
             runs = [load_run(d) for d in args.runs]
             for run, folder in zip(runs, args.runs):
-                if folder.name in VARIANTS:  # a sub-folder of a played run is named after its mode
+                if folder.name in (*VARIANTS, *PEERS):  # a sub-folder of a played run is named after its mode
                     run.meta["mode_label"] = folder.name
         except FileNotFoundError as exc:
             print(f"bench reform: {exc}", file=sys.stderr)
@@ -109,7 +123,7 @@ def main(argv: list[str]) -> int:
     load_after = os.getloadavg()[0]
     load = f"load average {load_before:.1f} before, {load_after:.1f} after"
     header.append(f"join window {window:g} s ({window_from}); {load}")
-    results = [measure(run, window) for run in runs]
+    results = [measure_recorded(run) if is_torchft(run) else measure(run, window) for run in runs]
     text = render(results, [f"# bench reform: {scenario_name}, {runs[0].meta.get('duration', 0):.0f} s", "", *header])
     print(text)
     out_dir = runs[0].root

@@ -1,5 +1,6 @@
 """Playing one scenario in each mode of ``bench reform``, one after the other, each into its
-own run folder."""
+own run folder: the demo's modes through ``regroup.demo.runner``, the torchft modes through
+``bench.reform.torchft_peer``."""
 
 from __future__ import annotations
 
@@ -9,15 +10,35 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.reform import torchft_peer
+from bench.reform.torchft_peer import PEERS
 from regroup.demo.main import cancelled_by_sigterm
 from regroup.demo.scenario import Scenario
 
-MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d")
-"""In the order they are played; the first is the reference of every ratio."""
+MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d", "torchft")
+"""The default modes, in the order they are played; the first is the reference of every
+ratio. ``torchft`` only where torchft is installed (``default_modes``)."""
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "regroup-no-snapshot": ("regroup", {"snapshot": {"every": 0}}),
 }
 """Further modes (``--modes``): a demo mode with trainer settings over the scenario's."""
+TORCHFT_MISSING = f"torchft is not installed: {torchft_peer.INSTALL_HINT}"
+
+
+def default_modes() -> tuple[tuple[str, ...], str]:
+    """The modes played without ``--modes``, and why one was left out ("" none was)."""
+    if torchft_peer.installed():
+        return MODES, ""
+    return tuple(m for m in MODES if m not in PEERS), f"{TORCHFT_MISSING}; the default modes leave torchft out"
+
+
+def missing(modes: Sequence[str]) -> str:
+    """Why ``modes`` cannot be played here ("" they can)."""
+    if any(m in PEERS for m in modes) and not torchft_peer.installed():
+        return f"--modes {','.join(m for m in modes if m in PEERS)}: {TORCHFT_MISSING}"
+    return ""
+
+
 TAIL_S = 25.0
 """An event is played only if it leaves this many seconds before the end of the run."""
 
@@ -61,8 +82,11 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
     try:
         for mode, layout in zip(modes, layouts):
             layout.logs.mkdir(parents=True, exist_ok=True)
-            router.target = JsonLinesSpanExporter(layout.spans)
             print(f"bench reform: playing {scenario.name!r} on {mode} in {layout.root}", flush=True)
+            if mode in PEERS:
+                asyncio.run(cancelled_by_sigterm(torchft_peer.play_on_torchft(scenario, mode, layout.root)))
+                continue
+            router.target = JsonLinesSpanExporter(layout.spans)
             demo_mode, trainer = VARIANTS.get(mode, (mode, {}))
             variant = replace(scenario, trainer=_merged(scenario.trainer, trainer))
             # The live view's line a second goes to a log; the terminal gets the tables.

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from regroup.demo.analysis import RunData, event_impacts, goodput
+from regroup.demo.analysis import RunData, event_impacts, goodput, scripted_events
 from regroup.demo.resizes import reform_latencies, training_at, world_changes
 from regroup.records import Progress
 
@@ -28,7 +28,7 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("reclaim_s", "planned reclaim: taint -> training at {reclaim_ranks}", "s", 1.5),
     Metric("reclaim_lost_steps", "planned reclaim: steps lost", "steps"),
-    Metric("loss_s", "abrupt loss: kill -> training at {loss_ranks}", "s", 3.0),
+    Metric("loss_s", "abrupt loss: kill -> training at {loss_ranks}", "s", 1.5),
     Metric("loss_lost_steps", "abrupt loss: steps lost", "steps"),
     Metric("grow_s", "grow: join window closed -> training at {grow_ranks}", "s", 2.0),
     Metric("grow_lost_steps", "grow: steps lost", "steps"),
@@ -57,7 +57,10 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
         out[f"{key}_lost_steps"] = latency.lost_steps
         out[f"{key}_ranks"] = f"{latency.ranks_after} ranks (from {latency.ranks_before})"
         out[f"{key}_from"] = latency.start_from
-    ends = [lat.event.time for lat in latencies[1:]] + [run.ended_at]
+    # Each event's stand-still is looked for until the next scripted event of any kind (a
+    # flaky node's crashes after a restore are not the restore's).
+    scripted = sorted(e.time for e in scripted_events(run))
+    ends = [next((t for t in scripted if t > lat.event.time), run.ended_at) for lat in latencies]
     out["events"] = [
         {
             "event": latency.event.reason,
@@ -177,16 +180,40 @@ def metric_table(results: Sequence[dict[str, Any]]) -> list[str]:
         label = metric.label.format(**{k: ours.get(k, "?") for k in ("reclaim_ranks", "loss_ranks", "grow_ranks", "evict_ranks", "drain_ranks")})
         cells = [format_value(metric, ours.get(metric.key), _absent(ours, metric))]
         for other in results[1:]:
-            cell = versus(metric, ours.get(metric.key), other.get(metric.key), _absent(other, metric))
-            if metric.key == "grow_s" and str(other.get("grow_from", "")).endswith(" + join window"):
-                cell += " †"
-                note = "† no grow plan (no controller): measured from the restore + the scenario's join window."
-                if note not in footnotes:
-                    footnotes.append(note)
-            cells.append(cell)
+            cells.append(versus(metric, ours.get(metric.key), other.get(metric.key), _absent(other, metric)))
+        if metric.key == "grow_s":
+            for i, result in enumerate(results):
+                mark = _grow_mark(result)
+                if mark is not None:
+                    cells[i] += f" {mark[0]}"
+                    if mark[1] not in footnotes:
+                        footnotes.append(mark[1])
         met = goal_met(metric, ours.get(metric.key))
         rows.append(f"| {label} | {_goal_text(metric)} | {' | '.join(cells)} | {met} |")
     return rows + ([""] + footnotes if footnotes else [])
+
+
+def _grow_mark(result: dict[str, Any]) -> tuple[str, str] | None:
+    """The mark and footnote of a grow measured from elsewhere than a grow plan's decision."""
+    grow_from = str(result.get("grow_from", ""))
+    if grow_from.endswith(" + join window"):
+        return "†", "† no grow plan (no controller): measured from the restore + the scenario's join window."
+    if grow_from == "launch":
+        note = "‡ torchft has no grow plan (a fresh replica joins the next quorum): measured from its launch"
+        return "‡", note + " at the restore."
+    return None
+
+
+def notes(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown list items: what a mode's numbers need to be read with (its ``*_note`` keys)
+    and the events it could not play."""
+    lines = []
+    for result in results:
+        for key in sorted(k for k in result if k.endswith("_note")):
+            lines.append(f"- {result['mode']}: {key.removesuffix('_note')}: {result[key]}")
+        for item in result.get("not_played", []):
+            lines.append(f"- {result['mode']}: not played: {item}")
+    return lines
 
 
 def _absent(result: dict[str, Any], metric: Metric) -> str:
@@ -247,6 +274,7 @@ def render(results: Sequence[dict[str, Any]], header: Sequence[str]) -> str:
             "",
             *metric_table(results),
             "",
+            *(["Notes:", "", *notes(results), ""] if notes(results) else []),
             "Every scripted event (the table above shows the first of a kind):",
             "",
             *event_table(results),
