@@ -229,15 +229,20 @@ class CheckpointRequest(Record):
 
 @dataclass(frozen=True)
 class CheckpointAck(Record):
-    """``acks/<generation>/commit``: the checkpoint for a request is committed on disk."""
+    """``acks/<generation>/commit``: the trainers hold the state of ``step`` for the
+    re-form that follows: committed on disk (``stored``), or, in place, in the ranks' memory
+    for the hand-off, with the storage checkpoint written in the background once the next
+    world has resumed (``stored`` False)."""
 
     kind: ClassVar[str] = "ack"
     generation: int
     step: int
     checkpoint_id: str
+    """The step's checkpoint folder name (written later when not ``stored``)."""
     duration_s: float
     world_size: int
     acked_at: float = 0.0
+    stored: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,11 @@
 """A controller's checkpoint request, on the trainer's side: save and commit at the agreed
 step boundary, ack (rank 0), and with ``hold`` wait there for the re-form that follows
-until the request's deadline (zero lost steps on a planned resize)."""
+until the request's deadline (zero lost steps on a planned resize).
+
+In place, with ``reform.in_memory`` and ``reform.ack_from_memory``, the ack comes at the
+boundary without a save: the live state is what the re-form hands over and reshards, so
+the disk write would only delay it. The next world writes the step to storage in the
+background once it has resumed (``regroup.trainer.elastic.run``, ``store_after_resume``)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+import torch
+import torch.distributed as dist
 
 from regroup.records import CheckpointAck, CheckpointRequest
 from regroup.telemetry import context_from_traceparent
@@ -17,10 +24,13 @@ from regroup.trainer.checkpoint_folders import checkpoint_id, folder_bytes, step
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
+    from regroup.rendezvous.inplace.world import ElasticWorld
     from regroup.trainer.app_state import TrainerState
     from regroup.trainer.checkpoint import Checkpointer
     from regroup.trainer.control import JobChannel
     from regroup.trainer.distributed import Runtime
+    from regroup.trainer.elastic.options import Options
+    from regroup.trainer.elastic.session import Session
     from regroup.trainer.progress import Counters
     from regroup.trainer.stopping import StopSignal
 
@@ -42,30 +52,54 @@ class CheckpointRequests:
     channel: JobChannel | None
     checkpointer: Checkpointer | None
     tracer: Tracer
+    cfg: Options
+    world: ElasticWorld | None
+    session: Session
+
+    def acks_from_memory(self) -> bool:
+        """Whether a request is answered from memory (the module docstring): the re-form
+        happens in this process (``in_place`` under ``regroup-run``) and hands the state over
+        in memory."""
+        reform = self.cfg.reform
+        in_place = self.world is not None and self.world.outlives_reforms and self.session.in_place
+        return in_place and reform.in_memory and reform.ack_from_memory
+
+    def _every_rank(self, mine: bool) -> bool:
+        """Collective: ``mine`` holds on every rank (a rank whose process restarts on the
+        re-form loses its memory, so then the state must be on storage)."""
+        if self.rt.world_size == 1:
+            return mine
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.rt.control_group)
+        return bool(flag.item())
 
     def honour_request(self, generation: int, request: CheckpointRequest | None) -> None:
-        """Save and commit a checkpoint at this boundary, then ack (rank 0)."""
+        """Save and commit a checkpoint at this boundary (unless ``acks_from_memory``), then
+        ack (rank 0)."""
         assert self.checkpointer is not None
         step = self.state.step
         started = time.perf_counter()
         parent = context_from_traceparent(request.traceparent if request is not None else "")
         span = self.tracer.start_span("regroup.trainer.checkpoint", context=parent) if self.rt.rank == 0 else None
-        # Reuse a save of this very step (periodic or in flight) instead of writing it twice.
-        if self.checkpointer.in_flight_step == step:
-            self.checkpointer.finish()
-        elif self.checkpointer.last_committed != step:
-            self.save(wait=True)
+        stored = not self._every_rank(self.acks_from_memory()) or self.checkpointer.last_committed == step
+        if stored:
+            # Reuse a save of this very step (periodic or in flight) instead of writing it twice.
+            if self.checkpointer.in_flight_step == step:
+                self.checkpointer.finish()
+            elif self.checkpointer.last_committed != step:
+                self.save(wait=True)
         duration = time.perf_counter() - started
         self.counters.requests_honoured += 1
         if self.rt.rank == 0:
             assert span is not None
-            size = folder_bytes(step_dir(self.checkpointer.root, step))
+            size = folder_bytes(step_dir(self.checkpointer.root, step)) if stored else 0
             span.set_attributes(
                 {
                     "regroup.step": step,
                     "regroup.generation": generation,
                     "regroup.checkpoint.duration_s": duration,
                     "regroup.checkpoint.bytes": size,
+                    "regroup.checkpoint.stored": stored,
                     "regroup.world_size": self.rt.world_size,
                 }
             )
@@ -80,6 +114,7 @@ class CheckpointRequests:
                         duration_s=duration,
                         world_size=self.rt.world_size,
                         acked_at=time.time(),
+                        stored=stored,
                     ),
                     deadline=request.deadline if request is not None else time.time(),
                 )
@@ -88,6 +123,7 @@ class CheckpointRequests:
                 generation=generation,
                 step=step,
                 acked=acked,
+                stored=stored,
                 duration_s=round(duration, 3),
             )
 

@@ -197,6 +197,13 @@ class ReformConfig:
     wait: timedelta = timedelta(minutes=5)
     """How long a survivor waits for its next world; past it, it exits and its agent
     restarts it (the restart path)."""
+    ack_from_memory: bool = True
+    """With ``in_memory``: answer a planned re-form's checkpoint request from memory (ack at
+    the agreed boundary, the live state handed over in place) and write the storage
+    checkpoint in the background once the next world has resumed: no disk write on the
+    re-form's critical path. A hand-off that fails then (a second node lost meanwhile)
+    falls back to the snapshots or the last committed checkpoint. False: save and commit
+    before the ack."""
 
     def __post_init__(self) -> None:
         if self.wait <= timedelta(0):

@@ -49,6 +49,7 @@ from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinS
 from regroup.rendezvous.store import RoundAbandoned
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
+    RESTART_ONLY_ENV,
     STANDBY_ENV,
     WAIT_EXPIRED,
     WORLD_FILE,
@@ -129,8 +130,13 @@ class InPlaceAgent(LocalElasticAgent):
         self._in_place = in_place
         self._standby = standby and in_place
         self._channel = Path(tempfile.mkdtemp(prefix="regroup-inplace-"))
-        # Workers inherit the agent's environment (as REGROUP_FAILURE_DIR reaches them).
+        # Workers inherit the agent's environment (as REGROUP_FAILURE_DIR reaches them). With
+        # in-place re-forms off they are told so: nothing they do may count on outliving a world.
         os.environ[CHANNEL_ENV] = str(self._channel)
+        if in_place:
+            os.environ.pop(RESTART_ONLY_ENV, None)
+        else:
+            os.environ[RESTART_ONLY_ENV] = "1"
         self._seq = 0
         self._rounds = 0
         self._join_first = False

@@ -23,6 +23,9 @@ CHANNEL_ENV = "REGROUP_INPLACE_DIR"
 """Set by the in-place agent in its workers' environment: the channel folder."""
 STANDBY_ENV = "REGROUP_STANDBY"
 """``1`` when the worker was started before its rank was known: it waits for ``world.json``."""
+RESTART_ONLY_ENV = "REGROUP_RESTART_ONLY"
+"""``1`` when the agent runs with ``--in-place=off``: it restarts its workers on every
+re-form, so they take their worlds from the channel but never re-form in place."""
 
 WORLD_FILE = "world.json"
 

@@ -6,6 +6,7 @@ while one forms, instead of waiting out the collective timeout.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,6 +21,10 @@ log = structlog.get_logger("regroup.inplace.world")
 
 _CONNECT_TRY = timedelta(seconds=2)
 """One try at reaching a world's store; between tries, a newer world is looked for."""
+_PROBE_EVERY_S = 0.01
+"""How often a rank looks whether rank 0's store listens yet. torch's store client retries
+a refused connection with an exponential back-off: a rank that asked 0.3 s before rank 0
+listened connected only 0.45-1.2 s after it did, on every re-form where rank 0 came last."""
 _MESH_TIMEOUT = timedelta(seconds=30)
 """How long a world's process group may take to connect its ranks. gloo keeps retrying a
 failed formation's connections in the background for the group's timeout; with the
@@ -55,6 +60,8 @@ def connect_store(
     while True:
         tries += 1
         try:
+            if membership.rank != 0:
+                _await_listening(membership.master_addr, membership.master_port, _CONNECT_TRY, give_up)
             store = dist.TCPStore(
                 membership.master_addr,
                 membership.master_port,
@@ -63,7 +70,7 @@ def connect_store(
                 timeout=_CONNECT_TRY,
                 wait_for_workers=False,
             )
-        except (RuntimeError, dist.DistError) as exc:
+        except (RuntimeError, dist.DistError, OSError) as exc:
             if give_up():
                 raise Superseded(f"could not reach the store of round {membership.round}: {exc}") from exc
             if time.monotonic() >= deadline:
@@ -86,3 +93,18 @@ def connect_store(
             continue
         store.set_timeout(timeout)
         return store
+
+
+def _await_listening(host: str, port: int, within: timedelta, give_up: Callable[[], bool]) -> None:
+    """Return once ``host:port`` accepts a TCP connection (closed at once: torch's store
+    server drops a client that never speaks), looking every 10 ms for up to ``within``;
+    ``OSError`` when it does not, or as soon as ``give_up()`` turns true."""
+    deadline = time.monotonic() + within.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=_PROBE_EVERY_S * 10):
+                return
+        except OSError:
+            if give_up() or time.monotonic() >= deadline:
+                raise
+        time.sleep(_PROBE_EVERY_S)

@@ -46,6 +46,7 @@ from regroup.failures import PEER, failure_kind
 from regroup.rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
+    RESTART_ONLY_ENV,
     STANDBY_ENV,
     WAIT_EXPIRED,
     NodeWorld,
@@ -83,6 +84,7 @@ class ElasticWorld:
         channel = env.get(CHANNEL_ENV)
         self.channel = Path(channel) if channel else None
         self.standby = env.get(STANDBY_ENV) == "1"
+        self._restart_only = env.get(RESTART_ONLY_ENV) == "1"
         self._env = dict(env)
         self._keep_ports = set(keep_ports)
         self._file = WorldFile(self.channel) if self.channel else None
@@ -138,6 +140,12 @@ class ElasticWorld:
     def in_place(self) -> bool:
         """Whether this worker runs under an in-place agent (``regroup-run``)."""
         return self.channel is not None
+
+    @property
+    def outlives_reforms(self) -> bool:
+        """Whether this process is kept across re-forms: under ``regroup-run`` without
+        ``--in-place=off`` (whose agent restarts its workers on every re-form)."""
+        return self.channel is not None and not self._restart_only
 
     @property
     def rank(self) -> int:

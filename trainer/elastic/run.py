@@ -298,6 +298,9 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
             else None
         )
         self._last_save_time = time.monotonic()
+        self._store_due = False
+        """Rank 0: the state this world resumed from memory is on no storage yet; save it
+        at the next boundary (in the background)."""
         self._last_progress_time = 0.0
         self._sample_log = self._open_sample_log()
 
@@ -366,6 +369,8 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
             self.session.held = []
             self.change.add("reshard", time.perf_counter() - t0)
             self._resumed_at(step, "resharded in memory")
+            # An ack from memory, a grow or a loss rebuilt from snapshots: write it down soon.
+            self._store_due = self.checkpointer is not None and (stored or 0) < step
             return
         if self.checkpointer is None:
             return
@@ -494,7 +499,7 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
                 request = self.channel.request()
                 generation = pending_generation(request, now, self.channel.answered, self.channel.reformed)
             every = self.cfg.checkpoint.every.total_seconds()
-            save_due = every > 0 and time.monotonic() - self._last_save_time >= every
+            save_due = self._store_due or (every > 0 and time.monotonic() - self._last_save_time >= every)
         decided = agree(
             self.rt.control_group,
             self.rt.world_size,
@@ -533,6 +538,7 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         self.counters.checkpoint_saves += 1
         self.counters.last_stall_s = result.stall_s
         self._last_save_time = time.monotonic()
+        self._store_due = False
         return result.stall_s
 
     # --- ends -----------------------------------------------------------------------------
