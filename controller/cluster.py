@@ -129,6 +129,8 @@ class PodInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
     disruption: PodDisruption | None = None
     """Set while the pod carries ``DisruptionTarget=True``."""
+    ip: str = ""
+    """``status.podIP``: the address a failed collective names for this pod's ranks."""
 
     @functools.cached_property
     def ref(self) -> ObjectRef:

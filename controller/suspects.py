@@ -1,8 +1,8 @@
 """The nodes of a job that a decision must look at closely.
 
 A node of the job (of its round, or with a member) is a suspect unless it is plainly
-healthy: its member is in the current round with the agent the round names and is not
-leaving, its pod is there and running, the agent's container has not ended since the agent
+healthy: its member is in the current round with the agent the round names, is not
+leaving and saw no collective of the round fail on a peer, its pod is there and running, the agent's container has not ended since the agent
 registered, and the node is known and carries no taint, cordon or NotReady.
 ``decide`` examines only suspects; every other node of the round is known healthy.
 Over-flagging is harmless (a closer look), missing one is not, so anything in doubt is
@@ -24,7 +24,7 @@ def is_suspect(state: JobState, fleet: Fleet, node: str) -> bool:
     member = state.members.get(node)
     if member is None or member.round != state.round.world_round or node in fleet.flagged or node not in fleet.nodes:
         return True
-    if member.leaving_by > 0:
+    if member.leaving_by > 0 or member.peer_failure_round == state.round.world_round:
         return True
     agents = state.round.agents
     if node in agents and member.joined_at != agents[node]:

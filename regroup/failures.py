@@ -12,6 +12,7 @@ outright writes nothing, which counts as its own fault.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 FAILURE_DIR_ENV = "REGROUP_FAILURE_DIR"
@@ -30,6 +31,16 @@ def failure_kind(exc: BaseException) -> str:
     if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_MESSAGES):
         return PEER
     return OWN
+
+
+# gloo names the other end of the broken pair: "Connection closed by peer [10.0.3.7]:47120".
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
+
+
+def failed_peer(exc: BaseException) -> str:
+    """The host of the peer a failed collective names (gloo: ``[host]:port``), "" if none."""
+    match = _PEER_ADDRESS.search(str(exc))
+    return match.group(1) if match and failure_kind(exc) == PEER else ""
 
 
 def record_failure(exc: BaseException, env: dict[str, str] | None = None) -> None:

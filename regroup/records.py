@@ -168,6 +168,13 @@ class MemberRecord(Record):
     leaving_by: float = 0.0
     """Unix time by which the leaving agent must be gone (its grace period's end as the
     agent knows it); 0 while it is not leaving."""
+    peer_failure_round: int = 0
+    """The round in which one of this agent's workers saw a collective fail because a peer
+    went away, with no re-form announced (0: none): the first evidence of a loss."""
+    peer_failure_at: float = 0.0
+    """Unix time of the first such failure in that round."""
+    failed_peer: str = ""
+    """The host the failed collective named ("" when the backend names none)."""
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,13 @@ class AgentKeys:
         gone by ``by`` (unix times): the controller's cue for a planned leave."""
         self._member_changed(dataclasses.replace(self.member, leaving_since=since, leaving_by=by))
 
+    def note_peer_failure_soon(self, round: int, at: float, peer: str) -> None:
+        """Record in the member key that a worker's collective of ``round`` failed on a
+        peer at ``at`` (naming ``peer``, a host, or ""): the controller's first evidence."""
+        self._member_changed(
+            dataclasses.replace(self.member, peer_failure_round=round, peer_failure_at=at, failed_peer=peer)
+        )
+
     async def start_over(self) -> None:
         """Become a new agent of the same node (a new registration time, so a new agent id):
         the old one is the agent a round left out, and a round never admits that one again.

@@ -73,6 +73,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         ``next_rendezvous``). The in-place agent turns it off: it stays and asks to be let back in."""
         self._leaving = ""
         self._leave_by: float | None = None
+        self._peer_failure_round = 0
         self._owns_shared = shared is None
         self._shared = shared or Shared.open(settings)
         self._keys = AgentKeys(self._shared.connection, settings)
@@ -155,6 +156,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return False
         agent = self._keys.me.agent
         return view.rank_of(agent) is not None or agent in state.excluded
+
+    def note_peer_failure(self, round: int, at: float, peer: str) -> None:
+        """A worker's collective of ``round`` failed on a peer (named ``peer``, a host, or
+        ""): say so in this agent's member record, once per round. From any thread."""
+        if round <= self._peer_failure_round:
+            return
+        self._peer_failure_round = round
+        log.warning("a worker's collective failed on a peer", job=self._settings.job.job, node=self.node,
+                    round=round, peer=peer or "not named")
+        try:
+            self._shared.loop.loop.call_soon_threadsafe(self._keys.note_peer_failure_soon, round, at, peer)
+        except RuntimeError:
+            pass  # the loop is closed: this agent has left already
 
     def notice_leaving(self, since: float, by: float, stop_at: float, reason: str) -> None:
         """This agent was told to stop (SIGTERM) at ``since`` and must be gone by ``by``: say so

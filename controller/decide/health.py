@@ -77,6 +77,11 @@ def world_of(s: JobSnapshot) -> AbstractSet[str]:
     return world
 
 
+PEER_FAILURE_SETTLE_S = 0.5
+"""How long after a survivor's report of a peer failure the node it names counts as lost
+(``_peer_failures``): the other live nodes of the round report theirs meanwhile."""
+
+
 def assess(
     s: JobSnapshot,
     world: AbstractSet[str],
@@ -106,6 +111,7 @@ def assess(
                 and not info.unschedulable
                 and node not in disruptions
                 and not member.leaving_by
+                and member.peer_failure_round != world_round
                 and (pod is None or agent_exit(pod, member.joined_at) is None)
             ):
                 continue
@@ -118,7 +124,50 @@ def assess(
         if lost is not None:
             health.lost[node] = lost
             health.lost_since[node] = min(since, now)
+    _peer_failures(s, world, health, now)
     return health
+
+
+def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now: float) -> None:
+    """A survivor's collective of the round failed on a peer and named its host (gloo does):
+    the node of the round at that address is lost, since the failure, without waiting for
+    its lease or its pod's status. Only an unambiguous name counts: one node of the round at
+    that host (its agent's address or its pod's IP), not the reporter, and not a node that
+    reported a failure of its own in the round (it is alive). Agents sharing a host (one
+    machine, loopback) name nobody; their loss comes from the pod, the agent or the lease.
+
+    A survivor that leaves its broken world closes its connections, and a third rank may
+    then see its collective fail on that live survivor: a name counts only once
+    ``PEER_FAILURE_SETTLE_S`` have passed since the report, time for every live node of
+    the round to report its own failure."""
+    members, world_round = s.members, s.world_round
+    reporters = [
+        m for n in s.suspects
+        if (m := members.get(n)) is not None and m.round == world_round
+        and m.peer_failure_round == world_round and m.failed_peer
+    ]  # fmt: skip
+    if not reporters:
+        return
+    pods = s.pods_by_name
+    for reporter in sorted(reporters, key=lambda m: m.peer_failure_at):
+        named = [
+            n for n in world
+            if n != reporter.node and (m := members.get(n)) is not None
+            and reporter.failed_peer in (m.host, pod.ip if (pod := pods.get(m.pod)) is not None else "")
+        ]  # fmt: skip
+        if len(named) != 1:
+            continue
+        (node,) = named
+        accused = members[node]
+        if node in health.lost or accused.peer_failure_round == world_round:
+            continue
+        settled_at = min(reporter.peer_failure_at, now) + PEER_FAILURE_SETTLE_S
+        if settled_at > now:
+            later = health.turns_lost_at
+            health.turns_lost_at = settled_at if later is None else min(later, settled_at)
+            continue
+        health.lost[node] = f"a collective of round {world_round} failed on it (seen by {reporter.node})"
+        health.lost_since[node] = min(reporter.peer_failure_at or now, now)
 
 
 def _candidates(s: JobSnapshot, world: AbstractSet[str], disruptions: Mapping[str, PodNotice]) -> Iterable[str]:

@@ -190,4 +190,5 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         created_at=parse_time(meta.get("creationTimestamp")) or 0.0,
         labels=labels,
         disruption=pod_disruption(meta, spec, status),
+        ip=status.get("podIP") or "",
     )

@@ -159,6 +159,7 @@ class InPlaceAgent(LocalElasticAgent):
             while True:
                 time.sleep(spec.monitor_interval)
                 self._check_notice()
+                self._check_peer_failures()
                 run_result = self._monitor_workers(self._worker_group)
                 state = run_result.state
                 self._worker_group.state = state
@@ -190,6 +191,19 @@ class InPlaceAgent(LocalElasticAgent):
                         self._restart_workers(self._worker_group)
         finally:
             shutil.rmtree(self._channel, ignore_errors=True)
+
+    def _check_peer_failures(self) -> None:
+        """Pass a worker's report of a collective that failed on a peer (in place, with no
+        re-form announced: the first evidence of a lost node) on to the member record."""
+        if not self._in_place or self._pcontext is None:
+            return
+        note = getattr(self._worker_group.spec.rdzv_handler, "note_peer_failure", None)
+        if note is None:
+            return
+        for local_rank in self._pcontext.pids():
+            report = WorkerReport.read(self._channel, local_rank)
+            if report is not None and report.peer_failure_round:
+                note(report.peer_failure_round, report.peer_failure_at, report.failed_peer)
 
     # -- SIGTERM: a notice, not a kill ------------------------------------------------------------
 

@@ -98,6 +98,13 @@ class WorkerReport(Record):
     state: str
     """``waiting`` (for a world), ``running`` or ``leaving`` (its old group)."""
     written_at: float = 0.0
+    peer_failure_round: int = 0
+    """The round in which a collective of this worker failed because a peer went away (0:
+    none): the first evidence of a loss, which the agent passes on to the controller."""
+    peer_failure_at: float = 0.0
+    """Unix time of that failure."""
+    failed_peer: str = ""
+    """The host the failed collective named (gloo does; "" when the backend does not)."""
 
     @classmethod
     def read(cls, folder: Path, local_rank: int) -> WorkerReport | None:

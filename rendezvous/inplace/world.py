@@ -42,7 +42,7 @@ from pathlib import Path
 
 import structlog
 
-from regroup.failures import PEER, failure_kind
+from regroup.failures import PEER, failed_peer, failure_kind
 from regroup.rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
@@ -99,6 +99,9 @@ class ElasticWorld:
         self._aborted = False
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._peer_failure: tuple[int, float, str] = (0, 0.0, "")
+        """(round, unix time, host named) of the first collective of a world that failed on
+        a peer, kept in every report of this worker from then on (``WorkerReport``)."""
         self.membership: Membership | None = None
         self.formed: int = 0
         """How many worlds this process has formed (1 after ``join``)."""
@@ -190,7 +193,22 @@ class ElasticWorld:
             return False
         if isinstance(exc, Interrupted):
             return True
-        return self._aborted or self.reform_due() or failure_kind(exc) == PEER
+        if self._aborted or self.reform_due():
+            return True
+        if failure_kind(exc) != PEER:
+            return False
+        self._note_peer_failure(exc)
+        return True
+
+    def _note_peer_failure(self, exc: BaseException) -> None:
+        """A collective failed on a peer while no re-form was announced: the first sign of a
+        loss. Report it to the agent (once per world), which tells the controller."""
+        if self.membership is None or self._peer_failure[0] == self.membership.round:
+            return
+        self._peer_failure = (self.membership.round, time.time(), failed_peer(exc))
+        log.warning("a collective failed on a peer; leaving the world", round=self.membership.round,
+                    peer=self._peer_failure[2] or "not named", error=str(exc)[:200])
+        self._report("running", self.membership.round)
 
     def leave(self) -> None:
         """Drop the current process groups (aborting what may still wait on a peer)."""
@@ -428,8 +446,10 @@ class ElasticWorld:
     def _report(self, state: str, round: int) -> None:
         if self.channel is None:
             return
+        failed_round, failed_at, peer = self._peer_failure
         report = WorkerReport(local_rank=self.local_rank, pid=os.getpid(), round=round, state=state,
-                              written_at=time.time())
+                              written_at=time.time(), peer_failure_round=failed_round, peer_failure_at=failed_at,
+                              failed_peer=peer)  # fmt: skip
         try:
             write_atomically(self.channel / report_name(self.local_rank), report.to_json())
         except OSError as exc:

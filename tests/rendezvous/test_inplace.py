@@ -71,6 +71,12 @@ def test_survivors_keep_their_processes_across_an_unplanned_loss_and_a_grow(
     # Survivors roll back to the newest committed checkpoint: never a partial one, never ahead.
     assert before.extra["last_committed_step"] <= shrunk.resumed_from_step <= before.step + 5
     assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
+    # The survivors' failed collectives reached their member records, naming the peer's host:
+    # the controller's first evidence of the loss (tests/controller/test_peer_failures.py).
+    reports = {n: job.members()[n] for n in ("a", "b")}
+    assert any(r.get("peer_failure_round") == before.round and r.get("failed_peer") for r in reports.values()), reports
+    assert all(before.time - 60 < r.get("peer_failure_at", 0) <= shrunk.time for r in reports.values()
+               if r.get("peer_failure_round")), reports
 
     job.start("c")  # c comes back; with no controller the agents grow the job themselves
     grown = job.await_progress("training at 3 ranks again", lambda p: p.world_size == 3 and p.round > shrunk.round)

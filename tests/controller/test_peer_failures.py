@@ -1,0 +1,88 @@
+"""A survivor's collective that failed on a peer, naming its host, is the first evidence of a
+lost node: the node the name points to is lost since that failure, well before its lease
+expires, once the other live nodes had time to report theirs. An ambiguous name (agents
+sharing a host), the reporter itself, or a node that reported a failure of its own is
+never accused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from regroup.controller.decide.health import PEER_FAILURE_SETTLE_S
+from regroup.controller.settings import ControllerSettings
+from regroup.controller.snapshot import WritePlan
+from regroup.records import ReformPlan
+
+from .builders import T0, Scene, decide, job, of, registered
+
+S = ControllerSettings()
+J = T0 - 600.25
+FAILED_AT = T0 + 1.0
+
+
+def running(hosts: dict[str, str] | None = None, pod_ips: dict[str, str] | None = None) -> Scene:
+    """n1, n2, n3 training in round 1; each agent's address and pod IP as given."""
+    s = registered(job(), J)
+    hosts = hosts if hosts is not None else {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}
+    s = s.with_members(dataclasses.replace(m, host=hosts.get(m.node, "")) for m in s.members.values())
+    for node, ip in (pod_ips or {}).items():
+        s = s.changed_pod(node, ip=ip)
+    return s
+
+
+def reported(s: Scene, node: str, peer: str, at: float = FAILED_AT, round_: int = 1, seen: float | None = None) -> Scene:
+    """``node``'s agent records that a collective of ``round_`` failed on ``peer`` at ``at``."""
+    m = dataclasses.replace(s.members[node], peer_failure_round=round_, peer_failure_at=at, failed_peer=peer)
+    return s.with_member(m, at=seen if seen is not None else at + 0.1)
+
+
+def plan_of(d: object) -> ReformPlan | None:
+    writes = of(d.actions, WritePlan)  # type: ignore[attr-defined]
+    return writes[0].plan if writes else None
+
+
+SETTLED = FAILED_AT + PEER_FAILURE_SETTLE_S + 0.01
+
+
+def test_the_named_node_is_lost_from_the_failure_once_the_round_had_time_to_report() -> None:
+    s = reported(running(), "n1", "10.0.0.2")
+    early = decide(s, FAILED_AT + 0.2, S)
+    assert plan_of(early) is None, "not before the other live nodes could report theirs"
+    assert early.requeue_after is not None
+    assert early.requeue_after.total_seconds() <= FAILED_AT + PEER_FAILURE_SETTLE_S - (FAILED_AT + 0.2) + 1e-6
+    plan = plan_of(decide(s, SETTLED, S))
+    assert plan is not None and plan.cause == "node-lost" and not plan.planned
+    assert plan.nodes_after == ["n1", "n3"]
+    assert plan.reason == "lost n2 (a collective of round 1 failed on it (seen by n1))"
+    # The trace starts at the survivor's failure, not when the controller looked.
+    assert plan.detected_at == FAILED_AT
+
+
+def test_a_pod_ip_names_the_node_where_the_agent_address_is_a_name() -> None:
+    hosts = {"n1": "llama-0.llama", "n2": "llama-1.llama", "n3": "llama-2.llama"}
+    s = reported(running(hosts, pod_ips={"n1": "10.1.0.5", "n2": "10.1.0.6", "n3": "10.1.0.7"}), "n3", "10.1.0.6")
+    plan = plan_of(decide(s, SETTLED, S))
+    assert plan is not None and plan.nodes_after == ["n1", "n3"]
+
+
+def test_a_node_that_reported_a_failure_of_its_own_is_alive_and_not_accused() -> None:
+    # n1 left its broken world and closed its connections; n3 then saw its collective fail on n1.
+    s = reported(reported(running(), "n1", "10.0.0.2"), "n3", "10.0.0.1", at=FAILED_AT + 0.05)
+    plan = plan_of(decide(s, SETTLED + 0.05, S))
+    assert plan is not None and plan.nodes_after == ["n1", "n3"], "n2 only: n1 reported, so it lives"
+
+
+def test_an_ambiguous_or_missing_name_accuses_nobody() -> None:
+    shared = {"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}  # one machine: loopback
+    for s in (
+        reported(running(shared), "n1", "127.0.0.1"),
+        reported(running(), "n1", ""),  # the backend named no peer
+        reported(running(), "n1", "10.9.9.9"),  # nobody of the round there
+        reported(running(), "n1", "10.0.0.1"),  # itself
+    ):
+        assert plan_of(decide(s, SETTLED + 5, S)) is None
+
+
+def test_a_report_from_an_earlier_round_is_stale() -> None:
+    s = reported(running(), "n1", "10.0.0.2", round_=0)
+    assert plan_of(decide(s, SETTLED + 5, S)) is None
