@@ -78,7 +78,7 @@ def _shrink_for_reclaim(
         if notice.ends_at is not None:
             # A short notice (a 5 s grace) keeps half of itself for the re-form, not the margin.
             deadline = min(deadline, notice.ends_at - min(margin, (notice.ends_at - notice.since) / 2))
-    planned = deadline > now and s.progress is not None
+    planned = deadline > now and trainer_answers(s)
     _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", before, target, detected, deadline)
     return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
 
@@ -89,7 +89,7 @@ def _shrink_to_max(sit: Situation, before: list[str]) -> tuple[str, bool]:
     target = before[: config.max_nodes]
     deadline = now + config.checkpoint_timeout.total_seconds()
     why = f"{len(before)} nodes exceed max {config.max_nodes}"
-    _begin(sit, ReformCause.MANUAL, sit.s.progress is not None, why, before, target, now, deadline)
+    _begin(sit, ReformCause.MANUAL, trainer_answers(sit.s), why, before, target, now, deadline)
     return f"shrink to max: {why}", False
 
 
@@ -109,10 +109,20 @@ def _grow(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     if len(target) < config.min_nodes:
         return _stall(s, sit.out, newest, f"{len(target)} nodes available, below min {config.min_nodes}")
     added = ", ".join(target[live:])
-    planned = live >= config.min_nodes and s.progress is not None
+    planned = live >= config.min_nodes and trainer_answers(s)
     deadline = now + config.checkpoint_timeout.total_seconds()
     _begin(sit, ReformCause.GROW, planned, f"nodes joining: {added}", before, target, min(opened, now), deadline)
     return f"grow to {len(target)} nodes: {added} joining", False
+
+
+def trainer_answers(s: JobSnapshot) -> bool:
+    """Whether a checkpoint request can be answered: the trainer reports progress from the
+    job's current round (or reports no round). A round whose trainer has not resumed (it is
+    still forming, or was superseded while forming) acks nothing: a plan that asked it would
+    wait out its deadline for nothing, so the re-form goes ahead unplanned (in place, the
+    live state is handed over at the agreed boundary all the same)."""
+    progress = s.progress
+    return progress is not None and progress.round in (0, s.world_round)
 
 
 def _stall(s: JobSnapshot, out: Out, newest: PodInfo | None, why: str) -> tuple[str, bool]:

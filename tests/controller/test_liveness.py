@@ -14,7 +14,9 @@ from regroup.controller.cluster import NodeInfo
 from regroup.controller.settings import ControllerSettings
 from regroup.controller.snapshot import AFTER_PREVIOUS_PLAN, PostPodEvents, WriteCheckpointRequest, WriteExclusions, WritePlan
 
-from .builders import T0, acked, decide, job, member, of, with_taint
+from regroup.records import Progress
+
+from .builders import T0, acked, annotations, decide, job, member, of, pod, with_taint
 from .builders import step as reconcile
 
 S = ControllerSettings()
@@ -126,3 +128,32 @@ def test_a_closed_rendezvous_finishes_the_job_and_nothing_is_re_formed() -> None
     assert s.status.state == "finished"
     gone = s.without_member("n2", "n3")
     assert not of(decide(gone, T0 + 4, S).actions, WritePlan)
+
+
+def _joiners_waiting(progress_round: int):
+    """n1, n2 in round 3 (the job's round), n3 and n4 waiting to join; the trainer's last
+    progress came from ``progress_round``."""
+    notes = annotations(2, 4, join_window="1s")
+    s = job(("n1", "n2"), notes=notes, round_=3)
+    s = s.with_progress(Progress(step=120, loss=1.0, samples_seen=960, world_size=4, time=T0, round=progress_round), 11)
+    for node in ("n3", "n4"):
+        s = s.with_node(NodeInfo(node)).with_pod(pod(node, notes)).with_member(member(node, 4), at=T0)
+    return s
+
+
+def test_a_grow_asks_for_a_checkpoint_only_when_the_round_trains() -> None:
+    # Seed 7, fault 31 of the chaos campaign: two grows each waited their whole checkpoint
+    # deadline on a round that had formed but whose trainer never resumed (superseded).
+    [training] = of(decide(_joiners_waiting(progress_round=3), T0 + 2, S).actions, WritePlan)
+    assert training.plan.cause == "grow" and training.plan.planned
+    [stuck] = of(decide(_joiners_waiting(progress_round=2), T0 + 2, S).actions, WritePlan)
+    assert stuck.plan.cause == "grow" and not stuck.plan.planned, "nobody in round 3 would ack"
+    assert stuck.plan.nodes_after == ["n1", "n2", "n3", "n4"]
+
+
+def test_a_reclaim_on_a_round_whose_trainer_has_not_resumed_is_unplanned() -> None:
+    s = with_taint(job(round_=3), "n2", SPOT, time_added=T0)
+    s = s.with_progress(Progress(step=120, loss=1.0, samples_seen=960, world_size=6, time=T0, round=2), 11)
+    [plan] = of(decide(s, T0 + 0.5, S).actions, WritePlan)
+    assert plan.plan.cause == "reclaim" and not plan.plan.planned and plan.plan.nodes_after == ["n1", "n3"]
+    assert not of(decide(s, T0 + 0.5, S).actions, WriteCheckpointRequest)
