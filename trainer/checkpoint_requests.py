@@ -5,7 +5,7 @@ until the request's deadline (zero lost steps on a planned resize).
 In place, with ``reform.in_memory`` and ``reform.ack_from_memory``, the ack comes at the
 boundary without a save: the live state is what the re-form hands over and reshards, so
 the disk write would only delay it. The next world writes the step to storage in the
-background once it has resumed (``regroup.trainer.elastic.run``, ``store_after_resume``)."""
+background once it has resumed (``Run.resume`` in ``regroup.trainer.elastic.run``)."""
 
 from __future__ import annotations
 
