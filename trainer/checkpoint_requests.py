@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("regroup.trainer")
 
-# Poll period while holding at a boundary for the re-form (one tiny collective each).
-_HOLD_POLL_S = 0.2
+# Poll period while holding at a boundary for the re-form (one tiny collective each): the
+# re-form's announcement waits up to this long to be noticed.
+_HOLD_POLL_S = 0.05
 
 
 class CheckpointRequests:

@@ -9,6 +9,7 @@ a newcomer's fresh model and optimizer give the same keys as a survivor's held s
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,6 +238,12 @@ def chunk_rows(rows: int, world: int) -> int:
     return -(-rows // world)
 
 
+def _row(tensor: torch.Tensor) -> int:
+    """Elements in one row (along dim 0) of ``tensor``, from its shape: indexing a DTensor
+    (``tensor[0]``) would gather it from every rank, one collective per tensor."""
+    return math.prod(tensor.shape[1:])
+
+
 def _buckets(fresh: HeldState, old_size: int, slots: int) -> list[list[str]]:
     """Sharded keys in sorted order, grouped by dtype and device into buckets of at most
     ``BUCKET_BYTES`` per rank, so a few collectives move the whole state."""
@@ -245,7 +252,7 @@ def _buckets(fresh: HeldState, old_size: int, slots: int) -> list[list[str]]:
     size, kind = 0, None
     for key in sorted(fresh.sharded):
         dest = fresh.tensors[key]
-        row = dest[0].numel() if dest.dim() > 1 else 1
+        row = _row(dest)
         nbytes = slots * chunk_rows(dest.shape[0], old_size) * row * dest.element_size()
         this = (dest.dtype, dest.device.type)
         if current and (this != kind or size + nbytes > BUCKET_BYTES):
@@ -270,7 +277,7 @@ def _regather_bucket(
     """Rebuild the full tensors of ``keys`` from the old shards (one all-gather of every
     rank's padded old chunks) and copy this rank's new shard of each into the new model."""
     dests = [fresh.tensors[k] for k in keys]
-    widths = [chunk_rows(d.shape[0], old_size) * (d[0].numel() if d.dim() > 1 else 1) for d in dests]
+    widths = [chunk_rows(d.shape[0], old_size) * _row(d) for d in dests]
     span = sum(widths)  # elements of one old rank's padded chunks of every key
     sample = dests[0].to_local()
     mine = torch.zeros(slots * span, dtype=sample.dtype, device=sample.device)

@@ -4,7 +4,9 @@ SPEC PROC``. SPEC is JSON: ``port`` of a TCPStore the test hosts, ``out`` folder
 Each scenario writes into ``out/<name>/`` (one process run serves all: imports are slow).
 
 1. ``old``: processes 0 and 1 form a world of 2, train two steps, dump the full state
-   (``old.pt``), hold their shards and leave that process group.
+   (``old.pt``), hold their shards, and hand process 1's to process 0 as a leaving rank
+   does (``handoff.hand_off``: process 0 dumps what it received, ``handed.pt``, process 1
+   what it sent, ``donor.pt``); then they leave that process group.
 2. ``grow``: all three form a world of 3; fresh model and optimizer (other weights, other
    lr), ``redistribute``, dump (``grown.pt``), train one step, dump (``grown-after.pt``).
    Then a reference: another fresh pair loads ``old.pt`` as a full state dict, trains the
@@ -31,6 +33,7 @@ from torch.distributed.fsdp import fully_shard
 
 from regroup.trainer.config import ModelConfig
 from regroup.trainer.model import Decoder
+from regroup.trainer.handoff import hand_off
 from regroup.trainer.reshard import HeldState, forget_old_meshes, hold_state, redistribute
 
 # No width divides by 3 and most not by 2 either: chunks of 2 and 3 ranks are uneven.
@@ -81,6 +84,14 @@ def dump(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, **extra
         torch.save({"model": model_state, "optim": optim_state, **extra}, path)
 
 
+def _as_dict(held: HeldState) -> dict[str, Any]:
+    return {
+        "old_rank": held.old_rank, "old_world_size": held.old_world_size, "step": held.step,
+        "tensors": {k: v.clone() for k, v in held.tensors.items()}, "sharded": sorted(held.sharded),
+        "shapes": held.shapes, "values": held.values,
+    }  # fmt: skip
+
+
 def scenario(store: dist.Store, name: str, grow_ranks: list[int], out: Path, proc: int) -> None:
     out.mkdir(exist_ok=True)
     result: dict[str, Any] = {"proc": proc}
@@ -95,6 +106,12 @@ def scenario(store: dist.Store, name: str, grow_ranks: list[int], out: Path, pro
             group["lr"] = 3e-3  # as the loop's schedule would: the lr must travel too
         dump(model, optimizer, out / "old.pt")
         held = hold_state(model, optimizer, old_rank=proc, old_world_size=2, step=2)
+        kept = hand_off(held, leaving=proc == 1)
+        if proc == 0:
+            [received] = [h for h in kept if h.old_rank == 1]
+            torch.save(_as_dict(received), out / "handed.pt")
+        else:
+            torch.save(_as_dict(held), out / "donor.pt")
         del model, optimizer
         dist.destroy_process_group()
 

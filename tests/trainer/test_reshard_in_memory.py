@@ -107,6 +107,12 @@ def test_the_newest_step_held_whole_is_chosen_from_snapshots_and_buddy_copies() 
     assert "no step" in str(choose([[(0, 3, 7)], [(1, 3, 8)]]))
 
 
+def test_a_leaving_rank_hands_over_exactly_what_it_held(grown: Path) -> None:
+    handed, donor = torch.load(grown / "handed.pt"), torch.load(grown / "donor.pt")
+    assert donor["tensors"] and len(donor["sharded"]) > 10, "a whole model's and optimizer's shards"
+    _assert_identical(handed, donor, "hand-off")
+
+
 def test_grow_lands_on_the_exact_old_state_without_a_checkpoint(grown: Path) -> None:
     old = torch.load(grown / "old.pt")
     new = torch.load(grown / "grown.pt")
