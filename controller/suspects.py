@@ -2,8 +2,9 @@
 
 A node of the job (of its round, or with a member) is a suspect unless it is plainly
 healthy: its member is in the current round with the agent the round names, is not
-leaving and saw no collective of the round fail on a peer, its pod is there and running, the agent's container has not ended since the agent
-registered, and the node is known and carries no taint, cordon or NotReady.
+leaving and saw no collective of the round fail on a peer, its pod is there and running,
+the agent's container has not ended since the agent registered, and the node is known and
+carries no taint, cordon or NotReady.
 ``decide`` examines only suspects; every other node of the round is known healthy.
 Over-flagging is harmless (a closer look), missing one is not, so anything in doubt is
 a suspect. The model keeps each job's set up to date node by node (``refresh``) and
