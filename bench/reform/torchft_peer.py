@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from bench.reform.torchft_measure import STEPS_LOG, read_steps
 from regroup.demo.nodes import DEFAULT_TRAINER, append_jsonl, merge
+from regroup.demo.processes import end_agent
 from regroup.demo.scenario import ChurnEvent, Scenario, parse_duration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -258,15 +259,8 @@ async def _start_lighthouse(
 
 
 async def _stop_lighthouse(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            async with asyncio.timeout(5):
-                await process.wait()
-        except TimeoutError:
-            _kill_session(process)
-            await process.wait()
+    """SIGTERM (it shuts its server down), 5 s, then SIGKILL."""
+    await end_agent(process, timedelta(seconds=5))
 
 
 async def _first_full_step(root: Path, replicas: Replicas, count: int) -> None:

@@ -167,7 +167,7 @@ def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now:
             health.turns_lost_at = settled_at if later is None else min(later, settled_at)
             continue
         health.lost[node] = f"a collective of round {world_round} failed on it (seen by {reporter.node})"
-        health.lost_since[node] = min(reporter.peer_failure_at or now, now)
+        health.lost_since[node] = min(reporter.peer_failure_at, now)
 
 
 def _candidates(s: JobSnapshot, world: AbstractSet[str], disruptions: Mapping[str, PodNotice]) -> Iterable[str]:

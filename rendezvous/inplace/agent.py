@@ -55,8 +55,10 @@ from regroup.rendezvous.inplace.channel import (
     WORLD_FILE,
     NodeWorld,
     RankSlot,
+    StampedFile,
     WorkerReport,
     describe_report,
+    report_file,
     write_atomically,
 )
 from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE, StopNotice, overdue, take_notice
@@ -137,6 +139,8 @@ class InPlaceAgent(LocalElasticAgent):
             os.environ.pop(RESTART_ONLY_ENV, None)
         else:
             os.environ[RESTART_ONLY_ENV] = "1"
+        self._reports: dict[int, StampedFile[WorkerReport]] = {}
+        """Each local worker's report, read on change (``_check_peer_failures``)."""
         self._seq = 0
         self._rounds = 0
         self._join_first = False
@@ -201,7 +205,10 @@ class InPlaceAgent(LocalElasticAgent):
         if note is None:
             return
         for local_rank in self._pcontext.pids():
-            report = WorkerReport.read(self._channel, local_rank)
+            file = self._reports.get(local_rank)
+            if file is None:
+                file = self._reports[local_rank] = report_file(self._channel, local_rank)
+            report = file.poll()  # a stat per tick; parsed only when the worker rewrote it
             if report is not None and report.peer_failure_round:
                 note(report.peer_failure_round, report.peer_failure_at, report.failed_peer)
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 from regroup.records import Record, RecordError
+
+T = TypeVar("T")
 
 CHANNEL_ENV = "REGROUP_INPLACE_DIR"
 """Set by the in-place agent in its workers' environment: the channel folder."""
@@ -157,24 +160,38 @@ def write_atomically(path: Path, body: bytes) -> None:
     os.replace(tmp, path)
 
 
-class WorldFile:
-    """A cheap change detector for ``world.json``: re-reads only when its inode, mtime or
-    size moved (every write replaces the file, so a new write is a new inode)."""
+class StampedFile(Generic[T]):
+    """A cheap change detector for a channel file the other side replaces whole
+    (``write_atomically``): ``poll`` re-reads it only when its inode, mtime or size moved
+    (every write replaces the file, so a new write is a new inode); a ``stat`` otherwise."""
 
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / WORLD_FILE
+    def __init__(self, path: Path, load: Callable[[], T | None]) -> None:
+        self.path = path
+        self._load = load
         self._stamp: tuple[int, int, int] | None = None
-        self.latest: NodeWorld | None = None
+        self.latest: T | None = None
 
-    def poll(self) -> NodeWorld | None:
+    def poll(self) -> T | None:
         try:
             stat = os.stat(self.path)
         except OSError:
             return self.latest
         stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
-            world = NodeWorld.read(self.path.parent)
-            if world is not None:
+            value = self._load()
+            if value is not None:
                 self._stamp = stamp
-                self.latest = world
+                self.latest = value
         return self.latest
+
+
+class WorldFile(StampedFile[NodeWorld]):
+    """``world.json`` of a channel folder, read on change."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder / WORLD_FILE, lambda: NodeWorld.read(folder))
+
+
+def report_file(folder: Path, local_rank: int) -> StampedFile[WorkerReport]:
+    """A worker's report in a channel folder, read on change."""
+    return StampedFile(folder / report_name(local_rank), lambda: WorkerReport.read(folder, local_rank))
