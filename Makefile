@@ -5,10 +5,20 @@ PY    := $(VENV)/bin/python
 PIP   := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-busy etcd venv bench clean
+.PHONY: demo test test-busy etcd tools venv bench clean
+
+# $(call apt_missing,command=package ...): install the Debian packages whose command is
+# not on PATH, after one apt-get update. No recommends: prometheus's would add a node exporter.
+apt_missing = @packages=""; \
+	for need in $(1); do command -v "$${need%%=*}" >/dev/null 2>&1 || packages="$$packages $${need\#*=}"; done; \
+	[ -z "$$packages" ] || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$packages; }
 
 etcd:
-	@command -v etcd >/dev/null 2>&1 || { apt-get update && apt-get install -y etcd-server; }
+	$(call apt_missing,etcd=etcd-server)
+
+# The suite also needs promtool (from Debian's prometheus package) to test the alert rules.
+tools:
+	$(call apt_missing,etcd=etcd-server promtool=prometheus)
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,11 +31,11 @@ venv: $(VENV)/.installed
 demo: etcd venv
 	$(VENV)/bin/regroup demo $(ARGS)
 
-test: etcd venv
+test: tools venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The same suite with every core kept busy by spinning processes (it must pass on a loaded machine).
-test-busy: etcd venv
+test-busy: tools venv
 	$(PY) tests/busy.py $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: etcd venv

@@ -30,6 +30,10 @@ EXPORTED_SERIES = (
     GAUGES | COUNTERS | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 )
 METRIC_NAME = re.compile(r"\bregroup_[a-z0-9_]+")
+# etcd's own series (the etcd alerts) carry only the labels Prometheus gives every scraped
+# target; their job is the scrape job, not a training job.
+ETCD_SERIES = re.compile(r"\betcd_[a-z0-9_]+")
+TARGET_LABELS = {"job", "namespace", "service", "pod", "container", "endpoint", "instance"}
 
 # Label names of each metric (fixed with the names), by family name.
 LABELS: dict[str, tuple[str, ...]] = {
@@ -62,9 +66,11 @@ def _family(series: str) -> str:
 
 
 def foreign_labels(expr: str) -> set[str]:
-    """Labels a PromQL expression groups or filters by that none of its regroup series carry."""
+    """Labels a PromQL expression groups or filters by that none of its regroup or etcd series carry."""
     series = METRIC_NAME.findall(expr)
     known = {"le"} | {label for name in series for label in LABELS.get(_family(name), ())}
+    if ETCD_SERIES.search(expr):
+        known |= TARGET_LABELS
     used = {
         label.strip()
         for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
@@ -134,6 +140,8 @@ def test_controller_metrics_carry_the_fixed_labels() -> None:
 def test_label_check_catches_a_filter_on_a_label_the_series_lacks() -> None:
     assert foreign_labels('sum by (le, phase) (rate(regroup_reform_phase_duration_seconds_bucket{job="a"}[5m]))') == {"job"}
     assert foreign_labels("sum by (reason) (increase(regroup_cordons_total[5m]))") == set()
+    assert foreign_labels('max by (namespace) (etcd_server_has_leader{job="regroup-etcd"})') == set()
+    assert foreign_labels("sum by (cause) (etcd_server_has_leader)") == {"cause"}
 
 
 def test_dashboard_and_alerts_group_only_by_labels_their_series_have() -> None:
