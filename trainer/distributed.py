@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from regroup.rendezvous.inplace.formation import side_group
 from regroup.trainer.config import ModelConfig
 from regroup.trainer.reshard import forget_old_meshes
 from regroup.trainer.model import Decoder
@@ -74,8 +75,8 @@ def runtime_on_default_group(local_rank: int, device: torch.device, timeout: tim
     # process's old coordinate (torch 2.13): forget them before sharding anew.
     forget_old_meshes()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
-    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    checkpoint_group = side_group(timeout)
+    control_group = side_group(timeout)
     return Runtime(rank, world_size, local_rank, device, mesh, checkpoint_group, control_group)
 
 

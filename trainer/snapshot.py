@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from regroup.rendezvous.inplace.formation import side_group
 from regroup.trainer.reshard import HeldState, flat_state, split_state
 from regroup.trainer.snapshot_cost import (
     CostMeter,
@@ -114,7 +115,7 @@ class Snapshots:
         """Steps between snapshots now (``auto``: from ``max_every`` down, as the cost allows)."""
         self.host_bytes = 2 * GENERATIONS * state_bytes(model)
         """Host memory the snapshots take on this rank (own and received, both generations)."""
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.group = side_group(timeout)
         refusal = None
         try:
             check_host_memory(self.host_bytes, ranks_on_node, host_memory_available())

@@ -48,6 +48,19 @@ def init_default_group(backend: str, membership: Membership, store: dist.Store |
     dist.distributed_c10d._set_pg_timeout(timeout)
 
 
+def side_group(timeout: timedelta, connect: timedelta = _MESH_TIMEOUT) -> dist.ProcessGroup:
+    """A gloo group of every rank of the current world, beside its default group (a
+    collective: every rank creates its side groups in the same order). Connecting it is
+    bounded by ``connect`` (``_MESH_TIMEOUT``, as the default group's is); its collectives
+    get ``timeout`` once it has formed. With ``timeout`` there, a peer that died after it published its
+    address held every other rank in gloo's constructor, retrying that connection, for the
+    collective timeout (10 min): severing cannot end a connect that is retried, and the
+    re-form that drops the dead peer waited on them."""
+    group = dist.new_group(backend="gloo", timeout=min(timeout, connect))
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return group
+
+
 def connect_store(
     membership: Membership, timeout: timedelta, form_timeout: timedelta, give_up: Callable[[], bool]
 ) -> dist.Store:

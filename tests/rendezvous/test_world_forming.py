@@ -21,6 +21,7 @@ from regroup.rendezvous.inplace.channel import (
     WorkerReport,
     write_atomically,
 )
+from regroup.ports import free_ports
 from regroup.rendezvous.ports import master_port
 from tests.rendezvous.agents import wait_until
 
@@ -133,3 +134,39 @@ def test_survivors_of_a_world_re_form_after_the_next_one_failed_to_form(
                 proc.wait()
     for lines in results:
         assert [(r["round"], r["sum"]) for r in lines] == [(1, 2), (3, 2)], lines
+
+
+def _side_group_ranks(env: dict[str, str], **per_rank: dict[str, str]) -> list[dict[str, object]]:
+    """Run the two ranks of ``side_group_worker``; rank r's extra environment is ``per_rank[f"r{r}"]``."""
+    (port,) = free_ports(1)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.rendezvous.side_group_worker"], cwd=ROOT,
+                         env={**env, "RANK": str(rank), "PORT": str(port), **per_rank.get(f"r{rank}", {})},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    results: list[dict[str, object]] = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            results.append(lines[-1] if lines else {})
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def test_a_side_group_connects_within_its_bound_not_the_collective_timeout(worker_env: dict[str, str]) -> None:
+    # Rank 0 never creates the side group (a peer lost right after the world formed). With
+    # the collective timeout (10 min) there, rank 1 sat in gloo's constructor past the
+    # re-form that dropped the peer; bounded, it fails and the rank leaves for the re-form.
+    _, lone = _side_group_ranks(worker_env, r0={"JOIN_SIDE": "0"}, r1={"CONNECT_S": "2"})
+    assert lone["formed"] is False, lone
+    assert float(lone["seconds"]) < 25, lone  # 2 s bound, far below the 600 s collective timeout
+    # Both ranks create it: it forms and carries collectives (the bound is only on connecting).
+    both = _side_group_ranks(worker_env, r0={"CONNECT_S": "2"}, r1={"CONNECT_S": "2"})
+    assert [r["sum"] for r in both] == [2, 2], both
