@@ -40,11 +40,16 @@ class JobState:
     expected: records.ExpectedMembership | None = None
     reform: records.ReformRequest | None = None
     acks: dict[int, records.CheckpointAck] = field(default_factory=dict)
+    ack_generations: set[int] = field(default_factory=set)
+    """Generations of the ack keys etcd holds (``acks`` keeps the newest records only)."""
     progress: records.Progress | None = None
     progress_revision: int = 0
     presence: records.ControllerPresence | None = None
     status: records.JobStatus | None = None
     exclusions: records.Exclusions | None = None
+    tombstone: records.FinishedJob | None = None
+    """Kept outside the job's keys: the job finished and they were removed."""
+    tombstone_revision: int = 0
     # --- indexes -----------------------------------------------------------------------
     member_pods: dict[str, set[str]] = field(default_factory=dict)
     """Pod name -> the nodes whose member names it."""
@@ -66,7 +71,21 @@ class JobState:
     """Node -> ``storm_mark`` of its restarts for ``storm_k`` (nodes with at least K restarts)."""
 
     def empty(self) -> bool:
-        return not self.pods and not self.members and self.plan is None and self.progress is None
+        """Nothing of the job is left in the cluster or in etcd: the model may forget it."""
+        records = (self.plan, self.checkpoint, self.expected, self.reform, self.progress, self.presence, self.status,
+                   self.exclusions, self.tombstone)
+        return (
+            not self.pods and not self.members and not self.ack_generations and all(r is None for r in records)
+            and self.round.formed_round is None and not self.round.closed
+        )  # fmt: skip
+
+    def without_keys(self, now: float) -> JobState:
+        """This job as it stands once its keys and its tombstone are gone: its pods (and what
+        they index) only."""
+        state = JobState()
+        for pod in self.pods.values():
+            state.put_pod(pod, None, now)
+        return state
 
     def restarted(self, node: str, count: int, now: float) -> None:
         history = self.restarts.setdefault(node, deque(maxlen=HISTORY))
@@ -177,11 +196,20 @@ class JobState:
         self.first_seen.pop(leaving_key(node, old), None)
         return True
 
-    def put_ack(self, ack: records.CheckpointAck, now: float) -> None:
+    def put_ack(self, generation: int | None, ack: records.CheckpointAck, now: float) -> None:
+        """The ack under ``acks/<generation>/commit`` (None: a key spelling its generation
+        otherwise than the record, which the pruning leaves alone)."""
+        if generation is not None:
+            self.ack_generations.add(generation)
         self.acks[ack.generation] = ack
         self.first_seen.setdefault(signal_key("", f"ack:{ack.generation}"), now)
         for old in sorted(self.acks)[:-8]:
             del self.acks[old]
+
+    def remove_acks(self, generations: Iterable[int]) -> None:
+        for generation in generations:
+            self.ack_generations.discard(generation)
+            self.acks.pop(generation, None)
 
     def progress_arrived(self, now: float) -> None:
         # Not a first sighting: the time the latest progress record arrived.

@@ -17,13 +17,14 @@ from pathlib import Path
 import structlog
 
 from regroup.controller.http import HealthServer
+from regroup.controller.jobconfig import parse_duration
 from regroup.controller.kube.actuator import KubeActuator
 from regroup.controller.kube.api import RawKube, load_api_client
 from regroup.controller.kube.leader import LeaderElector
 from regroup.controller.kube.source import KubeSource
 from regroup.controller.metrics import ControllerMetrics
 from regroup.controller.runtime import run_controller
-from regroup.controller.settings import ControllerSettings
+from regroup.controller.settings import CleanupSettings, ControllerSettings
 from regroup.etcd import EtcdSettings
 from regroup.telemetry import configure_logging, configure_tracing
 
@@ -45,13 +46,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
                         help="namespace of the leader Lease (default $POD_NAMESPACE or default)")
     parser.add_argument("--workers", type=int, default=4, help="jobs reconciled concurrently (default %(default)s)")
+    parser.add_argument("--retention", type=_cleanup, default=CleanupSettings(), metavar="DURATION",
+                        help="how long a finished job, or one whose pods and members are all gone, keeps its etcd "
+                             "keys (and a finished job its tombstone once its pods are gone): 90s, 10m, 1h30m "
+                             "(default 10m)")
+
+
+def _cleanup(text: str) -> CleanupSettings:
+    """``--retention``, validated as the settings validate it (argparse names the flag)."""
+    try:
+        return CleanupSettings(retention=parse_duration(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[ControllerSettings, EtcdSettings]:
     identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     base = ControllerSettings()
     runtime = dataclasses.replace(base.runtime, identity=identity, workers=args.workers)
-    settings = dataclasses.replace(base, runtime=runtime)
+    settings = dataclasses.replace(base, runtime=runtime, cleanup=args.retention)
     etcd = EtcdSettings.from_endpoint_string(args.etcd, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key)
     return settings, etcd
 

@@ -59,12 +59,18 @@ class ControllerMetrics:
             registry=r,
         )
         self.leader = Gauge("regroup_leader", "1 while this replica leads.", registry=r)
+        self.jobs_tracked = Gauge("regroup_jobs_tracked", "Jobs the controller holds in its model.", registry=r)
+        self.jobs_removed = Counter(
+            "regroup_jobs_removed", "Jobs whose etcd keys the controller removed (finished or gone).", ["reason"],
+            registry=r,
+        )
 
     def forget_job(self, namespace: str, job: str) -> None:
-        """Drop a deleted job's per-job gauges."""
-        for gauge in (self.job_nodes, self.min_nodes, self.max_nodes, self.stalled, self.flapping,
-                      self.rendezvous_on_gpu, self.bad_config):
+        """Drop a removed job's series labelled by namespace and job alone (its gauges and
+        rendezvous rounds; the reconciler drops the ones with more labels it made)."""
+        for metric in (self.job_nodes, self.min_nodes, self.max_nodes, self.stalled, self.flapping,
+                       self.rendezvous_on_gpu, self.bad_config, self.rounds):
             try:
-                gauge.remove(namespace, job)
+                metric.remove(namespace, job)
             except KeyError:
                 pass

@@ -26,12 +26,13 @@ from collections.abc import Callable, Iterable
 from regroup.controller.cluster import NodeInfo, PodInfo
 from regroup.controller.fleet import Fleet, JobId
 from regroup.controller.job_state import JobState, restart_only
+from regroup.controller.rounds import JobRound
 from regroup.controller.settings import JobDefaults
 from regroup.controller.snapshot import JobSnapshot
 from regroup.controller.snapshot_builder import build_snapshot
 from regroup.controller.suspects import refresh
 from regroup.keys import DEFAULT_PREFIX, JobKeys, KeyKind, read_record
-from regroup.records import CheckpointAck, MemberRecord, Record, RecordError, RoundState
+from regroup.records import CheckpointAck, FinishedJob, MemberRecord, Record, RecordError, RoundState
 
 __all__ = ["ClusterModel", "JobId", "JobState"]
 
@@ -93,7 +94,8 @@ class ClusterModel:
         model next changes, so ``decide`` runs on it before the caller awaits anything."""
         return build_snapshot(
             job, self.jobs.get(job) or JobState(), self.fleet, nodes_synced=self.nodes_synced,
-            pods_synced=self.pods_synced, identity=self.identity, defaults=self._defaults,
+            pods_synced=self.pods_synced, etcd_synced=self.etcd_synced, identity=self.identity,
+            defaults=self._defaults,
         )  # fmt: skip
 
     def _job(self, job: JobId) -> JobState:
@@ -166,6 +168,9 @@ class ClusterModel:
         state = self._job(job_id)
         pod = state.remove_pod(name, self._clock())
         self.fleet.pod_removed(key, pod.node if pod is not None else None)
+        if state.empty():
+            del self.jobs[job_id]  # a job whose pods never wrote anything: nothing to decide
+            return
         refresh(state, self.fleet, state.nodes_naming(name))
         self._on_dirty(job_id)
 
@@ -252,7 +257,9 @@ class ClusterModel:
                 state.suspects = None
             return changed
         if isinstance(record, CheckpointAck):
-            state.put_ack(record, now)
+            # Kept by the generation its key names, which the pruning deletes by.
+            key_generation = params["generation"]
+            state.put_ack(record.generation if key_generation == str(record.generation) else None, record, now)
             return True
         if kind not in RECORD_FIELDS:
             return False
@@ -280,6 +287,16 @@ class ClusterModel:
             state.remove_member(node, self._clock())
             self.fleet.member_removed(node, job_id)
             refresh(state, self.fleet, (node,))
+        elif kind is KeyKind.ACK:
+            # Only the pruning deletes acks, and no decision waits for one to go.
+            generation = params["generation"]
+            state.remove_acks([int(generation)] if generation.isdigit() else [])
+            if not state.empty():
+                return
+        elif kind is KeyKind.ROUND_STATE:
+            # Only a removal of the job's keys deletes it: the job starts again from its members.
+            state.round = JobRound()
+            state.suspects = None
         elif kind in RECORD_FIELDS:
             field, revision_field = RECORD_FIELDS[kind]
             setattr(state, field, None)
@@ -287,6 +304,77 @@ class ClusterModel:
                 setattr(state, revision_field, 0)
         else:
             return
+        if state.empty():
+            del self.jobs[job_id]
+        elif wake:
+            self._on_dirty(job_id)
+
+    # --- clean-up --------------------------------------------------------------------
+
+    def tombstone_put(self, key: str, value: bytes, revision: int, wake: bool = True) -> None:
+        """A finished job's tombstone (``regroup.keys.finished_root``) written."""
+        keys = JobKeys.parse_tombstone(key, self._prefix)
+        if keys is None:
+            return
+        try:
+            record = FinishedJob.from_json(value)
+        except RecordError:
+            return  # a record this version cannot read is not ours to act on
+        job_id = (keys.namespace, keys.job)
+        self._put_tombstone(job_id, record, revision)
+        if wake:
+            self._on_dirty(job_id)
+
+    def tombstone_delete(self, key: str, wake: bool = True) -> None:
+        keys = JobKeys.parse_tombstone(key, self._prefix)
+        if keys is not None:
+            self._drop_tombstone((keys.namespace, keys.job), wake)
+
+    def tombstones_listed(self, items: list[tuple[str, bytes, int]]) -> None:
+        """Every tombstone there is as (key, value, mod_revision): any other is gone."""
+        present = set()
+        for key, value, revision in items:
+            keys = JobKeys.parse_tombstone(key, self._prefix)
+            if keys is not None:
+                present.add((keys.namespace, keys.job))
+                self.tombstone_put(key, value, revision)
+        for job_id in [j for j, state in self.jobs.items() if state.tombstone is not None and j not in present]:
+            self._drop_tombstone(job_id, wake=True)
+
+    def own_tombstone(self, job_id: JobId, record: FinishedJob, revision: int) -> None:
+        """The controller's own rewrite of a tombstone, as the watch will bring it, waking no one."""
+        self._put_tombstone(job_id, record, revision)
+
+    def job_removed(self, job_id: JobId, tombstone: FinishedJob | None = None, revision: int = 0) -> None:
+        """The controller deleted every key of the job, and its tombstone or wrote
+        ``tombstone`` at ``revision``: the job is forgotten but for its pods (and the new
+        tombstone), as the watch will show it, waking no one."""
+        state = self.jobs.get(job_id)
+        if state is None:
+            return
+        for node in state.members:
+            self.fleet.member_removed(node, job_id)
+        state = state.without_keys(self._clock())
+        state.tombstone, state.tombstone_revision = tombstone, revision
+        if state.empty():
+            del self.jobs[job_id]
+        else:
+            self.jobs[job_id] = state
+
+    def own_acks_deleted(self, job_id: JobId, generations: Iterable[int]) -> None:
+        state = self.jobs.get(job_id)
+        if state is not None:
+            state.remove_acks(generations)
+
+    def _put_tombstone(self, job_id: JobId, record: FinishedJob, revision: int) -> None:
+        state = self._job(job_id)
+        state.tombstone, state.tombstone_revision = record, revision
+
+    def _drop_tombstone(self, job_id: JobId, wake: bool) -> None:
+        state = self.jobs.get(job_id)
+        if state is None or state.tombstone is None:
+            return
+        state.tombstone, state.tombstone_revision = None, 0
         if state.empty():
             del self.jobs[job_id]
         elif wake:
@@ -310,6 +398,11 @@ class ClusterModel:
             for kind, (field, _) in RECORD_FIELDS.items():
                 if job_id in self.jobs and getattr(state, field) is not None and kind.value not in have:
                     self.etcd_delete(root + kind.value, 0)
+            state.remove_acks([g for g in state.ack_generations if KeyKind.ACK.format(generation=g) not in have])
+            if job_id in self.jobs and state.round.formed_round is not None and KeyKind.ROUND_STATE.value not in have:
+                self.etcd_delete(root + KeyKind.ROUND_STATE.value, 0)
+            elif job_id in self.jobs and state.empty():
+                del self.jobs[job_id]
         self.etcd_synced = True
         self._dirty(list(self.jobs))
         self._synced()

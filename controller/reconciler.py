@@ -2,7 +2,8 @@
 
 The etcd writes go through ``EtcdWriter`` (the plan by compare-and-set on its revision:
 the fencing token that stops a stale replica from overwriting a newer plan; a checkpoint
-request's withdrawal by a delete fenced on its own revision and the plan's); cluster
+request's withdrawal by a delete fenced on its own revision and the plan's; a job's removal
+by one delete of its root, fenced on no agent of it being registered); cluster
 actions go to the ``ClusterActuator``, Events to the ``EventRecorder``, which posts them
 in the background. A failed write ends the cycle and the job is looked at again after a
 back-off; nothing is retried blindly.
@@ -33,6 +34,9 @@ from regroup.controller.snapshot import (
     DeletePod,
     PostEvent,
     PostPodEvents,
+    PruneAcks,
+    RemoveJob,
+    RemoveTombstone,
     WithdrawCheckpointRequest,
     WriteCheckpointRequest,
     WriteExclusions,
@@ -41,6 +45,7 @@ from regroup.controller.snapshot import (
     WritePresence,
     WriteReform,
     WriteStatus,
+    WriteTombstone,
 )
 from regroup.controller.tracing import emit_reform_trace, phase_times, reform_end
 from regroup.keys import JobKeys, KeyKind
@@ -64,8 +69,12 @@ _NO_GAUGES = (None,) * 7
 """What a job's gauges held before its first decision (every value is set then)."""
 
 
+_UNTRACKED = Decision((), "the job is not tracked: nothing of it is left")
+
+
 class PlanConflict(Exception):
-    """``control/plan`` changed under us: the snapshot was stale."""
+    """A fenced write found etcd changed under it (``control/plan`` moved, an agent
+    registered in a job being removed): the snapshot was stale."""
 
 
 class EtcdWriter(Protocol):
@@ -84,6 +93,20 @@ class EtcdWriter(Protocol):
     async def compare_and_delete(self, key: str, expected_revision: int, fence: tuple[str, int]) -> None:
         """Delete ``key`` only if its mod_revision is ``expected_revision`` and that of
         ``fence[0]`` is ``fence[1]``; raises ``PlanConflict`` otherwise."""
+        ...
+
+    async def remove_prefix(
+        self, prefix: str, unless_under: tuple[str, ...], put: tuple[str, bytes] | None = None,
+        delete: tuple[str, int] | None = None,
+    ) -> int:
+        """In one transaction: delete every key under ``prefix``, write ``put`` (key, value)
+        and delete ``delete`` (a key, only if its mod_revision is the one given), only if no
+        key exists under any of ``unless_under``; raises ``PlanConflict`` otherwise. Returns
+        the revision."""
+        ...
+
+    async def delete_keys(self, keys: tuple[str, ...]) -> int:
+        """Delete ``keys`` in one transaction; returns the revision."""
         ...
 
 
@@ -137,6 +160,10 @@ class Reconciler:
             # Gauge.set takes a lock: only when the count moved.
             self._cordoned_gauge = cordoned
             self.metrics.cordoned_nodes.set(cordoned)
+        if job not in self.model.jobs:
+            # Forgotten since it was queued (its keys removed, nothing of it left): a decision
+            # on nothing would write its status and presence again.
+            return Outcome(_UNTRACKED, None)
         snapshot = self.model.snapshot(job)
         decision = decide(snapshot, now, self.settings)
         if self._reasons.get(job) != decision.reason:
@@ -144,7 +171,8 @@ class Reconciler:
             if log.is_enabled_for(logging.INFO):  # the reason moves with most decisions of a storm
                 log.info("decision", namespace=job[0], job=job[1], reason=decision.reason,
                          actions=dict(summarize(decision.actions)))
-        self._export_gauges(job, decision)
+        if snapshot.tombstone is None:  # a removed job has no gauges
+            self._export_gauges(job, decision)
         try:
             for action in decision.actions:
                 await self._apply(job, action, now)
@@ -192,6 +220,14 @@ class Reconciler:
         elif isinstance(action, DeletePod):
             log.info("deleting pod", namespace=action.namespace, pod=action.name, reason=action.reason)
             await self.actuator.delete_pod(action.namespace, action.name, action.reason)
+        elif isinstance(action, PruneAcks):
+            await self._prune_acks(job, action)
+        elif isinstance(action, RemoveJob):
+            await self._remove_job(job, action)
+        elif isinstance(action, WriteTombstone):
+            await self._write_tombstone(job, action)
+        elif isinstance(action, RemoveTombstone):
+            await self._remove_tombstone(job, action)
 
     def _keys(self, job: JobId) -> JobKeys:
         keys = self._job_keys.get(job)
@@ -216,6 +252,59 @@ class Reconciler:
             await self.writer.compare_and_delete(keys.checkpoint, action.revision, (keys.plan, plan_revision))
         self.model.own_delete(job, KeyKind.CHECKPOINT)
         log.info("checkpoint request withdrawn", namespace=job[0], job=job[1], generation=action.generation)
+
+    # --- clean-up --------------------------------------------------------------------
+
+    async def _prune_acks(self, job: JobId, action: PruneAcks) -> None:
+        if self.writer is not None:
+            keys = self._keys(job)
+            await self.writer.delete_keys(tuple(keys.ack(g) for g in action.generations))
+        self.model.own_acks_deleted(job, action.generations)
+        log.debug("acks pruned", namespace=job[0], job=job[1], generations=len(action.generations))
+
+    async def _remove_job(self, job: JobId, action: RemoveJob) -> None:
+        revision = 0
+        if self.writer is not None:
+            keys = self._keys(job)
+            tombstone = (keys.tombstone, action.tombstone.to_json()) if action.tombstone is not None else None
+            revision = await self.writer.remove_prefix(keys.root, _agent_keys(keys), put=tombstone)
+        self.model.job_removed(job, action.tombstone, revision)
+        self.metrics.jobs_removed.labels(action.reason).inc()
+        self._forget(job)
+        log.info("job removed", namespace=job[0], job=job[1], reason=action.reason, why=action.why,
+                 tombstone=action.tombstone is not None)
+
+    async def _write_tombstone(self, job: JobId, action: WriteTombstone) -> None:
+        if self.writer is None:
+            revision = action.expected_revision + 1
+        else:
+            revision = await self.writer.compare_and_put(
+                self._keys(job).tombstone, action.tombstone.to_json(), action.expected_revision
+            )
+        self.model.own_tombstone(job, action.tombstone, revision)
+
+    async def _remove_tombstone(self, job: JobId, action: RemoveTombstone) -> None:
+        if self.writer is not None:
+            keys = self._keys(job)
+            # Whatever an agent of an older version wrote under the root since goes with it.
+            await self.writer.remove_prefix(keys.root, _agent_keys(keys), delete=(keys.tombstone, action.revision))
+        self.model.job_removed(job)
+        self._forget(job)
+        log.info("tombstone removed", namespace=job[0], job=job[1], why=action.why)
+
+    def _forget(self, job: JobId) -> None:
+        """Drop what this reconciler and the metrics hold for a removed job: its series (a
+        controller serving many short jobs would otherwise export every one it ever saw)
+        and the caches beside them."""
+        self.metrics.forget_job(*job)
+        m = self.metrics
+        per_job = (m.reform_duration, m.reforms, m.abandoned, m.lost_steps)
+        for key in [k for k in self._children if k[0] in per_job and k[1][:2] == job]:
+            metric, labels = key
+            del self._children[key]
+            metric.remove(*labels)
+        for cache in (self._reasons, self._rounds, self._gauges, self._gauge_children, self._job_keys, self._unlogged):
+            cache.pop(job, None)
 
     async def _write_plan(self, job: JobId, action: WritePlan, now: float) -> None:
         if self.writer is None:
@@ -309,6 +398,12 @@ class Reconciler:
         if rounds > seen:
             self.metrics.rounds.labels(*job).inc(rounds - seen)
         self._rounds[job] = rounds
+
+
+def _agent_keys(keys: JobKeys) -> tuple[str, ...]:
+    """Where a registered agent of the job has keys (its member key and join record, written
+    together): a removal of the job goes ahead only while nothing is there."""
+    return (keys.members, keys.joins)
 
 
 def _abandoned_in(plan: ReformPlan) -> ReformPhase:

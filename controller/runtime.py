@@ -1,7 +1,8 @@
 """``run_controller``: the controller's one asyncio loop.
 
-Owned tasks: the cluster source (feeding the model), the etcd mirror, the reconcile
-workers, the Event recorder, the periodic resync and the presence lease. All are
+Owned tasks: the cluster source and the etcd mirror (feeding the model), the reconcile
+workers (started once both have listed everything), the Event recorder, the periodic resync
+and the presence lease. All are
 cancelled together when the caller cancels ``run_controller``; the lease is revoked on
 the way out, so agents see the controller gone at once and handle joins themselves again.
 """
@@ -38,7 +39,8 @@ job was first queued for it (signal-to-decision latency)."""
 
 class EtcdLeaseWriter:
     """The controller's etcd writes: presence keys bound to its lease, the plan by CAS, a
-    checkpoint request's withdrawal fenced on its revision and the plan's."""
+    checkpoint request's withdrawal fenced on its revision and the plan's, a job's removal
+    fenced on no agent of it being registered."""
 
     def __init__(self, client: Any, own: OwnWrites) -> None:
         self.client = client
@@ -75,6 +77,43 @@ class EtcdLeaseWriter:
         if not ok:
             raise PlanConflict(key)
         self.own.add(int(responses[0].response_delete_range.header.revision))
+
+    async def remove_prefix(
+        self, prefix: str, unless_under: tuple[str, ...], put: tuple[str, bytes] | None = None,
+        delete: tuple[str, int] | None = None,
+    ) -> int:
+        txn = self.client.transactions
+        # A range compare holds for every key in the range, and an empty range compares as a
+        # key of version 0: "no key under it".
+        compare = [txn.version(p.encode(), range_end=prefix_end(p.encode())) == 0 for p in unless_under]
+        success = [txn.delete(prefix.encode(), range_end=prefix_end(prefix.encode()))]
+        if put is not None:
+            success.append(txn.put(put[0].encode(), put[1]))
+        if delete is not None:
+            compare.append(txn.mod(delete[0].encode()) == delete[1])
+            success.append(txn.delete(delete[0].encode()))
+        ok, responses = await self.client.transaction(compare=compare, success=success, failure=[])
+        if not ok:
+            raise PlanConflict(prefix)
+        revision = int(responses[0].response_delete_range.header.revision)
+        self.own.add(revision, many=True)  # a watch event per key deleted, all of this revision
+        return revision
+
+    async def delete_keys(self, keys: tuple[str, ...]) -> int:
+        txn = self.client.transactions
+        _, responses = await self.client.transaction(
+            compare=[], success=[txn.delete(key.encode()) for key in keys], failure=[]
+        )
+        revision = int(responses[0].response_delete_range.header.revision)
+        self.own.add(revision, many=True)
+        return revision
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of everything under ``prefix`` (etcd's ``range_end``)."""
+    end = bytearray(prefix.rstrip(b"\xff"))
+    end[-1] += 1
+    return bytes(end)
 
 
 class ReconcileLoop:
@@ -203,6 +242,7 @@ async def run_controller(
     reconciler = Reconciler(model, settings, writer, actuator, metrics, provider, clock)
     loop = ReconcileLoop(reconciler, queue, observer)
     granted = asyncio.Event()
+    metrics.jobs_tracked.set_function(lambda: len(model.jobs))
     http = None
     try:
         if settings.runtime.http_port is not None:
@@ -220,17 +260,21 @@ async def run_controller(
                             settings.runtime.etcd_retry_max),
                 name="etcd-mirror",
             )
+            tasks.create_task(reconciler.events.run(), name="event-recorder")
+            # No decision on half a view: a job whose pods are not listed yet looks gone, and
+            # one whose etcd keys (or tombstone) are not looks new, so its keys would be
+            # written again. The queue gathers the jobs meanwhile.
+            await synced.wait()
             for i in range(settings.runtime.workers):
                 tasks.create_task(loop.worker(), name=f"reconcile-{i}")
-            tasks.create_task(reconciler.events.run(), name="event-recorder")
             tasks.create_task(loop.resync(settings.runtime.resync), name="resync")
-            await synced.wait()
             freeze_listed_heap()
             log.info("controller ready", jobs=len(model.jobs), nodes=len(model.nodes), identity=settings.runtime.identity)
             if ready is not None:
                 ready.set()
     finally:
         queue.close()
+        metrics.jobs_tracked.set_function(lambda: 0)  # a standby holds no job (nor this model)
         if http is not None:
             await http.stop()
         await client.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from regroup.keys import finished_root
+
 
 def _positive(owner: str, name: str, value: timedelta) -> None:
     if value <= timedelta(0):
@@ -99,6 +101,23 @@ class CordonSettings:
 
 
 @dataclass(frozen=True)
+class CleanupSettings:
+    """What the controller removes from etcd once a job is over."""
+
+    retention: timedelta = timedelta(minutes=10)
+    """How long a job that is over keeps what it left in etcd: a finished job its keys
+    (``regroup status`` still shows its verdict and last re-form meanwhile), a job whose pods
+    and members are all gone its keys, a removed finished job its tombstone once its pods are
+    gone. Ten minutes outlasts a controller failover (a 15 s Lease) and the agents' lease TTL,
+    so nothing still at work meets a removal, yet a fleet running short jobs all day holds
+    only the last ten minutes' worth of them. Counted from moments kept in etcd (the status
+    record, the tombstone), so a new leader does not start the wait again."""
+
+    def __post_init__(self) -> None:
+        _positive("CleanupSettings", "retention", self.retention)
+
+
+@dataclass(frozen=True)
 class RuntimeSettings:
     """The controller process: work queue, etcd, presence."""
 
@@ -180,9 +199,16 @@ class ControllerSettings:
     """The process: workers, etcd lease, resync, HTTP."""
     kube: KubeSettings = field(default_factory=KubeSettings)
     """The Kubernetes adapter (unused by other cluster adapters)."""
+    cleanup: CleanupSettings = field(default_factory=CleanupSettings)
+    """Removing the keys of jobs that are over."""
     etcd_prefix: str = "/regroup/jobs"
-    """Root of every job's keys (``regroup.keys``)."""
+    """Root of every job's keys (``regroup.keys``); finished jobs' tombstones go beside it
+    (``regroup.keys.finished_root``)."""
 
     def __post_init__(self) -> None:
         if not self.etcd_prefix.startswith("/"):
             raise ValueError(f"ControllerSettings.etcd_prefix must start with '/', got {self.etcd_prefix!r}")
+        try:
+            finished_root(self.etcd_prefix)
+        except ValueError as exc:
+            raise ValueError(f"ControllerSettings.etcd_prefix: {exc}") from None

@@ -22,6 +22,7 @@ from regroup.records import (
     ControllerPresence,
     Exclusions,
     ExpectedMembership,
+    FinishedJob,
     JobStatus,
     MemberRecord,
     Progress,
@@ -59,6 +60,9 @@ class JobSnapshot:
     """The node list is complete: a node absent from ``nodes`` is deleted."""
     pods_synced: bool
     """The pod list is complete: a member whose pod is absent lost its pod."""
+    etcd_synced: bool
+    """The jobs' keys and the tombstones have been listed in full: a key absent from the
+    model is absent from etcd."""
     members: Mapping[str, MemberRecord]
     """Live members by node."""
     world_round: int
@@ -88,12 +92,19 @@ class JobSnapshot:
     expected: ExpectedMembership | None
     reform: ReformRequest | None
     acks: Mapping[int, CheckpointAck]
+    ack_generations: AbstractSet[int]
+    """Generations of the ``acks/<generation>/commit`` keys etcd holds (``acks`` keeps the
+    newest few records only)."""
     progress: Progress | None
     progress_revision: int
     presence: ControllerPresence | None
     status: JobStatus | None
     exclusions: Exclusions | None
     """``control/excluded``: the nodes agents must not bring back into the job."""
+    tombstone: FinishedJob | None
+    """The job finished and its keys were removed (``regroup.keys.JobKeys.tombstone``)."""
+    tombstone_revision: int
+    """``mod_revision`` of the tombstone (0: absent): the fencing token for rewriting it."""
     fleet: FleetView
     identity: str
     """This controller's identity (for its presence record)."""
@@ -178,6 +189,38 @@ class DeletePod(NamedTuple):
     reason: str
 
 
+class RemoveJob(NamedTuple):
+    """Delete every key of the job (one delete of its root) unless an agent of it registered
+    meanwhile (a key under ``members/`` or ``rdzv/joins/``: the view was stale). A finished
+    job's ``tombstone`` is written in the same transaction."""
+
+    reason: Literal["finished", "gone"]
+    """Why the job is over (the label of ``regroup_jobs_removed_total``)."""
+    why: str
+    tombstone: FinishedJob | None
+
+
+class WriteTombstone(NamedTuple):
+    """Compare-and-set the job's tombstone against ``expected_revision``."""
+
+    tombstone: FinishedJob
+    expected_revision: int
+
+
+class RemoveTombstone(NamedTuple):
+    """Delete the job's tombstone if it is still at ``revision``, with whatever an older
+    agent wrote under the job's root since, unless an agent of it is registered."""
+
+    revision: int
+    why: str
+
+
+class PruneAcks(NamedTuple):
+    """Delete ``acks/<generation>/commit`` of each of ``generations``: no one reads them."""
+
+    generations: tuple[int, ...]
+
+
 class PostEvent(NamedTuple):
     ref: ObjectRef
     type_: Literal["Normal", "Warning"]
@@ -208,6 +251,10 @@ Action = (
     | DeletePod
     | PostEvent
     | PostPodEvents
+    | RemoveJob
+    | WriteTombstone
+    | RemoveTombstone
+    | PruneAcks
 )
 
 

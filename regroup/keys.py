@@ -21,8 +21,27 @@ This is the one place the layout is written down. All keys of a job live under
                               ``regroup status``
     control/excluded          Exclusions: nodes under a reclaim notice or cordoned, which
                               no agent may bring back into the job until that lifts
-    acks/<generation>/commit  CheckpointAck, written by trainer rank 0 once committed
+    acks/<generation>/commit  CheckpointAck, written by trainer rank 0 once committed;
+                              the controller deletes those older than the generation
+                              before its plan's (no one reads them any more)
     progress                  Progress, written by trainer rank 0
+
+``rdzv/rounds/`` holds one round's store at a time: the agent that closes a round deletes
+the stores of the earlier ones in the same transaction.
+
+Beside the jobs, outside their prefix (``/regroup/finished/`` for the default prefix
+``/regroup/jobs``: the prefix's last segment replaced, ``finished_root``)::
+
+    <namespace>/<job>         FinishedJob, the tombstone of a finished job whose keys
+                              the controller removed: agents read it on start and
+                              treat the job as closed, so a pod restarted after the
+                              clean-up writes nothing and trains nothing
+
+A job's keys go in one delete of its whole root, never while an agent of it is registered:
+``retention`` after it finished (its tombstone written in the same transaction), or
+``retention`` after its pods and members were all gone (no tombstone: a job created again
+under the name starts afresh). The tombstone goes once the job has had no pod and no member
+for ``retention`` (``docs/controller.md``, "Clean-up").
 
 ``KeyKind`` and ``RECORDS`` hold the same layout as a table, and ``decode`` reads any key
 of a job (and its value) by it. The module imports nothing heavy: the controller image
@@ -41,6 +60,7 @@ from regroup.records import (
     ControllerPresence,
     Exclusions,
     ExpectedMembership,
+    FinishedJob,
     JobStatus,
     JoinRecord,
     MemberRecord,
@@ -53,6 +73,21 @@ from regroup.records import (
 
 DEFAULT_PREFIX = "/regroup/jobs"
 DEFAULT_NAMESPACE = "default"
+FINISHED = "finished"
+"""The last segment of the tombstones' root, beside the jobs' prefix."""
+
+
+def finished_root(prefix: str = DEFAULT_PREFIX) -> str:
+    """Where the tombstones of the jobs under ``prefix`` live: beside it, with its last
+    segment replaced by ``finished`` (``/regroup/jobs`` -> ``/regroup/finished/``). Outside
+    the jobs' prefix, so removing a job's keys leaves its tombstone. ValueError for a prefix
+    with no segment or whose last segment is ``finished`` (the two would overlap)."""
+    parent, _, last = prefix.rstrip("/").rpartition("/")
+    if not last or last == FINISHED:
+        raise ValueError(
+            f"an etcd prefix needs a last segment other than {FINISHED!r} (tombstones go beside it): {prefix!r}"
+        )
+    return f"{parent}/{FINISHED}/"
 
 
 @dataclass(frozen=True)
@@ -84,6 +119,10 @@ class JobKeys:
     @property
     def rdzv(self) -> str:
         return self.root + "rdzv/"
+
+    @property
+    def joins(self) -> str:
+        return self.rdzv + "joins/"
 
     # control/
     @property
@@ -130,6 +169,23 @@ class JobKeys:
     @property
     def progress(self) -> str:
         return self.key(KeyKind.PROGRESS)
+
+    # beside the jobs
+    @property
+    def tombstone(self) -> str:
+        """``FinishedJob`` of this job, outside its root (see ``finished_root``)."""
+        return f"{finished_root(self.prefix)}{self.namespace}/{self.job}"
+
+    @classmethod
+    def parse_tombstone(cls, key: str, prefix: str = DEFAULT_PREFIX) -> JobKeys | None:
+        """The job whose tombstone ``key`` is, or None."""
+        head = finished_root(prefix)
+        if not key.startswith(head):
+            return None
+        namespace, sep, job = key[len(head) :].partition("/")
+        if not sep or not namespace or not job or "/" in job:
+            return None
+        return cls(namespace, job, prefix)
 
     @classmethod
     def parse(cls, key: str, prefix: str = DEFAULT_PREFIX) -> tuple[JobKeys, str] | None:

@@ -378,6 +378,28 @@ class JobStatus(Record):
     nodes: list[str] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)
     updated_at: float = 0.0
+    since: float = 0.0
+    """Unix time the job entered ``state`` (kept while it stays there; 0 from a writer that
+    did not say): for ``finished``, the start of the clean-up's retention."""
+    vacant_since: float = 0.0
+    """Unix time since which the job has had no pod and no registered member (0: it has one,
+    or the controller has not listed the pods yet): the retention of a job whose pods went."""
+
+
+@dataclass(frozen=True)
+class FinishedJob(Record):
+    """The tombstone of a finished job whose keys the controller removed
+    (``regroup.keys.finished_root``): an agent that starts under the job reads it and meets a
+    closed rendezvous, so it writes nothing and trains nothing."""
+
+    kind: ClassVar[str] = "finished-job"
+    finished_at: float
+    """Unix time the controller saw the job finished (its rendezvous closed)."""
+    removed_at: float
+    """Unix time its keys were removed."""
+    vacant_since: float = 0.0
+    """Unix time since which the job has had no pod and no registered member (0: it has one):
+    the tombstone goes ``retention`` after that, when nothing of the run can restart."""
 
 
 def agent_id(member: MemberRecord) -> str:

@@ -11,7 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
+from regroup.records import (
+    ExpectedMembership,
+    FinishedJob,
+    JoinRecord,
+    MemberRecord,
+    ReformRequest,
+    RoundState,
+    agent_id,
+)
 from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, JoinStep, PutJoin, Wait
 
 CLOSE_GRACE_S = 5.0
@@ -35,6 +43,14 @@ class JobView:
     """A controller is present (``control/controller`` exists)."""
     excluded: Mapping[str, str] = field(default_factory=dict)
     """``control/excluded``: node -> why it may not join the job (reclaim notice, cordon)."""
+    finished: FinishedJob | None = None
+    """The job's tombstone: it finished and the controller removed its keys. The job is as
+    closed as with a closed ``state``, which went with them."""
+
+    @property
+    def closed(self) -> bool:
+        """The run is over: its round state says closed, or its tombstone is there."""
+        return self.finished is not None or (self.state is not None and self.state.closed)
 
     @cached_property
     def _alive(self) -> dict[str, str]:
@@ -139,6 +155,8 @@ def plan_join(
     ``seat``: the round the join record it left when stepping out asked for; if that round
     closed with this agent in it, the agent takes its place (its peers wait for it there).
     """
+    if view.finished is not None:
+        return Closed()  # before anything is written: the job's keys were removed for good
     state = view.state
     current = state.round if state else 0
     if state is not None:

@@ -359,8 +359,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return round_abandoned(self.view, number) or self._joining.stopped(time.time())
 
     def is_closed(self) -> bool:
-        state = self.view.state
-        return bool(state and state.closed)
+        """The run is over: closed, or finished and its keys removed (its tombstone)."""
+        return self.view.closed
 
     def set_closed(self) -> None:
         """Close the run: no more rounds; every agent's next rendezvous raises

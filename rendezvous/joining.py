@@ -203,11 +203,13 @@ class JoinLoop:
         return self.stop_reason or "told to stop"
 
     async def set_closed(self) -> None:
-        """Compare-and-set the round state to closed, retrying until it is (by anyone)."""
+        """Compare-and-set the round state to closed, retrying until it is (by anyone). A job
+        whose keys were removed after it finished (its tombstone) is closed already: nothing
+        is written under it again."""
         watch = self._watch
         while True:
             view = watch.view
-            if view.state is not None and view.state.closed:
+            if view.closed:
                 return
             revision = await self._keys.mark_closed(view.state, view.state_revision)
             if revision:

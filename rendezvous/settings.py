@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from regroup.etcd import EtcdSettings, parse_endpoints
-from regroup.keys import DEFAULT_NAMESPACE, DEFAULT_PREFIX, JobKeys
+from regroup.keys import DEFAULT_NAMESPACE, DEFAULT_PREFIX, JobKeys, finished_root
 
 CONF_KEYS = (
     "cacert",
@@ -281,8 +281,13 @@ def parse_settings(
         )
     except (KeyError, IndexError, ValueError) as exc:
         raise SettingsError(f"rdzv-conf node_name: only {{hostname}} and {{pid}} may be filled in ({exc})") from None
+    prefix = str(conf.get("key_prefix") or DEFAULT_PREFIX)
     try:
-        job = JobKeys(identity.namespace, run_id, str(conf.get("key_prefix") or DEFAULT_PREFIX))
+        finished_root(prefix)
+    except ValueError as exc:
+        raise SettingsError(f"rdzv-conf key_prefix: {exc}") from None
+    try:
+        job = JobKeys(identity.namespace, run_id, prefix)
     except ValueError as exc:
         raise SettingsError(f"rdzv-id / POD_NAMESPACE: {exc}") from None
     timeouts = Timeouts(

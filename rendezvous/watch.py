@@ -19,6 +19,7 @@ from regroup.records import (
     ControllerPresence,
     Exclusions,
     ExpectedMembership,
+    FinishedJob,
     JoinRecord,
     MemberRecord,
     RecordError,
@@ -35,11 +36,16 @@ WAKE_COST_S = 0.00003
 
 
 class JobWatch:
-    """Mirror of ``/regroup/jobs/<ns>/<job>/`` (members, rdzv state, control keys, round stores)."""
+    """Mirror of ``/regroup/jobs/<ns>/<job>/`` (members, rdzv state, control keys, round stores)
+    and of the job's tombstone beside it (``JobKeys.tombstone``)."""
 
     def __init__(self, client: Any, keys: JobKeys) -> None:
         self._keys = keys
         self._reflector = etcd.Reflector(client, keys.root, self._on_event, name=f"rdzv-watch-{keys.job}")
+        self._tombstone_reflector = etcd.Reflector(
+            client, keys.tombstone, self._on_tombstone, prefix=False, name=f"rdzv-tombstone-{keys.job}"
+        )
+        self._finished: FinishedJob | None = None
         self._revision = 0
         self._state: tuple[RoundState | None, int] = (None, 0)
         self._members: dict[str, MemberRecord] = {}
@@ -50,7 +56,7 @@ class JobWatch:
         self._excluded: dict[str, str] = {}
         self._store_kv: dict[str, bytes] = {}
         self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self.view = JobView()
         """The latest view; replaced (never mutated) on every change, so any thread may read it."""
         self.version = 0
@@ -67,18 +73,24 @@ class JobWatch:
         return self._reflector.restarts
 
     async def start(self) -> None:
-        """List the job's keys (what etcd raises is raised), then follow them in a task."""
+        """List the job's tombstone and keys (what etcd raises is raised), then follow them
+        in tasks. The tombstone first: once it exists the job's keys are gone for good."""
+        await self._tombstone_reflector.list()
         await self._reflector.list()
-        self._task = asyncio.create_task(self._reflector.run(), name=f"rdzv-watch-{self._keys.job}")
+        self._tasks = [
+            asyncio.create_task(self._tombstone_reflector.run(), name=f"rdzv-tombstone-{self._keys.job}"),
+            asyncio.create_task(self._reflector.run(), name=f"rdzv-watch-{self._keys.job}"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
-            self._task = None
 
     async def changed(self, timeout: float | None, since: int | None = None) -> None:
         """Return when the mirror changes after ``version`` was ``since`` (default: now), or
@@ -134,6 +146,27 @@ class JobWatch:
         if found is None or found.kind is not KeyKind.ROUND_STORE:
             self._view_stale = True
         self._schedule_publish()
+
+    def _on_tombstone(self, event: etcd.ReflectorEvent) -> None:
+        if isinstance(event, etcd.Listed):
+            put = event.items[0] if event.items else None
+        else:
+            put = event if isinstance(event, etcd.Put) else None
+        finished = None
+        if put is not None:
+            try:
+                finished = FinishedJob.from_json(put.value)
+            except RecordError as exc:
+                log.warning("ignoring unreadable tombstone", key=put.key, error=str(exc))
+        if finished is None and self._finished is None:
+            return
+        self._finished = finished
+        self._view_stale = True
+        if isinstance(event, etcd.Listed):
+            self._publish_view()
+            self._notify()
+        else:
+            self._schedule_publish()
 
     def store_value(self, key: str) -> bytes | None:
         """A key of a round store (``rdzv/rounds/...``), as mirrored."""
@@ -224,6 +257,7 @@ class JobWatch:
             reform=self._reform,
             controller=self._controller,
             excluded=self._excluded,
+            finished=self._finished,
         )
 
     def _notify(self) -> None:

@@ -18,3 +18,11 @@ async def put_retrying(client: Any, key: str, value: bytes, timeout: float = 60.
                 return
             except TRANSIENT_ERRORS:
                 await asyncio.sleep(0.1)
+
+
+async def lease_count(client: Any) -> int:
+    """How many leases etcd holds (``LeaseLeases``, which aetcd's client does not wrap)."""
+    from aetcd import rpc
+
+    response = await client.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), timeout=10)
+    return len(response.leases)

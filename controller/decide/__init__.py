@@ -7,7 +7,8 @@ that plan (a node lost mid-checkpoint forces the unplanned path) or wait for the
 
 ``health`` classifies the job's nodes, ``start`` begins a re-form, ``phases`` advances
 the one in flight, ``writes`` holds the records that carry a plan, ``job_status`` the
-job's verdict, ``alerts`` the warnings that change nothing else.
+job's verdict, ``alerts`` the warnings that change nothing else, ``cleanup`` what a job
+that is over leaves in etcd and the acks a live one no longer needs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from regroup.controller.decide.alerts import flapping, rendezvous_on_gpu
+from regroup.controller.decide.cleanup import prune_acks, removal, tombstoned
 from regroup.controller.decide.health import assess, keep_exclusions, restart_storms, waiting_joiners, world_of
 from regroup.controller.decide.job_status import write_status
 from regroup.controller.decide.out import Out, summarize
@@ -35,6 +37,11 @@ __all__ = ["Decision", "decide", "summarize"]
 def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision:
     """Everything the controller wants done for job ``s`` at ``now``, with the reason."""
     out = Out()
+    if s.tombstone is not None:
+        return tombstoned(s, now, settings.cleanup, out)
+    removed = removal(s, now, settings.cleanup, out)
+    if removed is not None:
+        return removed
     resolved = s.resolved
     for problem in resolved.problems:
         ref = problem.pod.ref
@@ -45,10 +52,10 @@ def decide(s: JobSnapshot, now: float, settings: ControllerSettings) -> Decision
     flaps = flapping(s, now, settings, resolved.newest, out)
     world = world_of(s)
     config = resolved.config
-    if config is None:
-        return _unconfigured(s, now, resolved.problems, world, out, flaps, gpu)
     if s.finished:
         return _finished(s, now, world, config, out, flaps, gpu)
+    if config is None:
+        return _unconfigured(s, now, resolved.problems, world, out, flaps, gpu)
     return _running(s, now, settings, resolved, config, world, out, flaps, gpu)
 
 
@@ -63,9 +70,10 @@ def _unconfigured(
 
 
 def _finished(
-    s: JobSnapshot, now: float, world: AbstractSet[str], config: JobConfig, out: Out, flaps: bool, gpu: bool
+    s: JobSnapshot, now: float, world: AbstractSet[str], config: JobConfig | None, out: Out, flaps: bool, gpu: bool
 ) -> Decision:
-    """The agents closed the rendezvous: training is over. Nothing to re-form, ever."""
+    """The agents closed the rendezvous: training is over, whether its pods are still there
+    or not. Nothing to re-form, ever; its keys go after the retention (``cleanup``)."""
     if s.plan is not None and s.plan.phase != ReformPhase.DONE:
         finish(s, s.plan, now, ReformOutcome.SUPERSEDED, out, "the job finished (its rendezvous is closed)")
     withdraw_stale_checkpoint(s, out)
@@ -108,6 +116,7 @@ def _running(
     else:
         reason, stalled = start(sit, world, joiners, resolved.newest)
     withdraw_stale_checkpoint(s, out)
+    prune_acks(s, out)
     reforming = (in_flight and not out.abandoned) or out.started()
     state = "stalled" if stalled else ("reforming" if reforming else "healthy")
     live = world - health.lost.keys() if health.lost else world

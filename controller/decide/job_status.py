@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from datetime import timedelta
 
+from regroup.controller.decide.cleanup import vacant_since
 from regroup.controller.decide.out import Out
 from regroup.controller.jobconfig import JobConfig
 from regroup.controller.snapshot import JobSnapshot, WriteStatus
@@ -31,8 +32,12 @@ def write_status(
     alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
     min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
     old = s.status
+    since = old.since if old is not None and old.state == state and old.since else now
+    vacant = vacant_since(s, now)
     # The reason alone changing (counts, phases) is not worth a write per decision.
-    if old is not None and (old.state, old.min_nodes, old.max_nodes, old.alerts) == (state, min_nodes, max_nodes, alerts):
+    if old is not None and (old.state, old.min_nodes, old.max_nodes, old.alerts, old.since, old.vacant_since) == (
+        state, min_nodes, max_nodes, alerts, since, vacant
+    ):
         # The stored nodes are sorted; equal sizes and containment compare them without
         # sorting (a decision in a storm is cheaper by that sort).
         if len(old.nodes) == len(nodes) and all(map(nodes.__contains__, old.nodes)):
@@ -52,5 +57,7 @@ def write_status(
         nodes=sorted(nodes),
         alerts=alerts,
         updated_at=now,
+        since=since,
+        vacant_since=vacant,
     )
     out.actions.append(WriteStatus(status))
