@@ -19,21 +19,17 @@ HISTOGRAMS = {"regroup_reform_duration_seconds", "regroup_reform_phase_duration_
 COUNTERS = {
     "regroup_reforms_total", "regroup_lost_steps_total", "regroup_cordons_total",
     "regroup_rendezvous_rounds_total", "regroup_watch_restarts_total", "regroup_reforms_abandoned_total",
-    "regroup_events_dropped_total",
+    "regroup_events_dropped_total", "regroup_jobs_removed_total",
 }
 GAUGES = {
     "regroup_job_nodes", "regroup_job_min_nodes", "regroup_job_max_nodes", "regroup_job_stalled",
     "regroup_cordoned_nodes", "regroup_rendezvous_flapping", "regroup_rendezvous_pod_on_gpu_node",
-    "regroup_bad_config", "regroup_leader",
+    "regroup_bad_config", "regroup_leader", "regroup_jobs_tracked",
 }
 EXPORTED_SERIES = (
     GAUGES | COUNTERS | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 )
 METRIC_NAME = re.compile(r"\bregroup_[a-z0-9_]+")
-# etcd's own series (the etcd alerts) carry only the labels Prometheus gives every scraped
-# target; their job is the scrape job, not a training job.
-ETCD_SERIES = re.compile(r"\betcd_[a-z0-9_]+")
-TARGET_LABELS = {"job", "namespace", "service", "pod", "container", "endpoint", "instance"}
 
 # Label names of each metric (fixed with the names), by family name.
 LABELS: dict[str, tuple[str, ...]] = {
@@ -55,7 +51,17 @@ LABELS: dict[str, tuple[str, ...]] = {
     "regroup_bad_config": ("namespace", "job"),
     "regroup_events_dropped": ("cause",),
     "regroup_leader": (),
+    "regroup_jobs_tracked": (),
+    "regroup_jobs_removed": ("reason",),
 }
+
+# The dashboard and the etcd alerts also read etcd's own metrics and the standard process
+# metrics (etcd's and the controller's). Those expressions are checked apart: they name no
+# regroup series, and they may select only by the labels Prometheus gives every scraped
+# target (their job is the scrape job, not a training job; tests/deploy/test_dashboard.py
+# checks the names against a real etcd).
+OTHER_EXPORTERS = re.compile(r"\b(?:etcd|process)_[a-z0-9_]+")
+TARGET_LABELS = {"job", "instance", "namespace", "service", "pod", "container", "endpoint"}
 
 
 def _family(series: str) -> str:
@@ -66,10 +72,11 @@ def _family(series: str) -> str:
 
 
 def foreign_labels(expr: str) -> set[str]:
-    """Labels a PromQL expression groups or filters by that none of its regroup or etcd series carry."""
+    """Labels a PromQL expression groups or filters by that none of its series carry: a regroup
+    series its fixed labels, an etcd or process series the scrape target's."""
     series = METRIC_NAME.findall(expr)
     known = {"le"} | {label for name in series for label in LABELS.get(_family(name), ())}
-    if ETCD_SERIES.search(expr):
+    if OTHER_EXPORTERS.search(expr) and not series:
         known |= TARGET_LABELS
     used = {
         label.strip()
@@ -87,7 +94,7 @@ def _dashboard() -> dict[str, Any]:
 def _dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     exprs += [a["expr"] for a in dashboard["annotations"]["list"] if "expr" in a]
-    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     return exprs
 
 
@@ -142,6 +149,10 @@ def test_label_check_catches_a_filter_on_a_label_the_series_lacks() -> None:
     assert foreign_labels("sum by (reason) (increase(regroup_cordons_total[5m]))") == set()
     assert foreign_labels('max by (namespace) (etcd_server_has_leader{job="regroup-etcd"})') == set()
     assert foreign_labels("sum by (cause) (etcd_server_has_leader)") == {"cause"}
+    # etcd's series: the scrape target's labels, nothing else, and no licence for regroup's.
+    assert foreign_labels('max by (instance) (etcd_mvcc_db_total_size_in_bytes{job=~"$etcd"})') == set()
+    assert foreign_labels('sum by (phase) (rate(etcd_mvcc_put_total{job=~"$etcd"}[5m]))') == {"phase"}
+    assert foreign_labels('regroup_cordoned_nodes{instance="a"} / etcd_server_has_leader') == {"instance"}
 
 
 def test_dashboard_and_alerts_group_only_by_labels_their_series_have() -> None:
@@ -156,6 +167,13 @@ def test_dashboard_uses_only_exported_metrics() -> None:
     exprs = _dashboard_exprs(_dashboard())
     assert len(exprs) >= 15
     assert unknown_series(exprs) == set()
+
+
+def test_dashboard_expressions_read_one_exporter_each() -> None:
+    # Joined, their labels could not be told apart: `job` is the training job on one and
+    # the scrape job on the other.
+    for expr in _dashboard_exprs(_dashboard()):
+        assert not (METRIC_NAME.search(expr) and OTHER_EXPORTERS.search(expr)), expr
 
 
 def test_alert_rules_use_only_exported_metrics() -> None:
