@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _REFORM_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -14,9 +14,11 @@ class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.reform_duration = Histogram(
-            "regroup_reform_duration_seconds", "Signal to trainer resumed, per re-form.",
-            ["namespace", "job", "cause", "planned"], buckets=_REFORM_BUCKETS, registry=r,
+            "regroup_reform_duration_seconds", "Signal to trainer resumed, per completed re-form; mode: in-place "
+            "(the workers outlived it) or restart (they were restarted), unknown if the trainer did not say.",
+            ["namespace", "job", "cause", "planned", "mode"], buckets=_REFORM_BUCKETS, registry=r,
         )
         self.phase_duration = Histogram(
             "regroup_reform_phase_duration_seconds", "Duration of one phase of a re-form.",

@@ -328,7 +328,7 @@ class Reconciler:
         cause = plan.cause.value
         m, child = self.metrics, self._child
         if plan.outcome == ReformOutcome.COMPLETED:
-            child(m.reform_duration, job[0], job[1], cause, planned).observe(max(0.0, reform_end(plan) - plan.detected_at))
+            child(m.reform_duration, job[0], job[1], cause, planned, plan.mode or "unknown").observe(max(0.0, reform_end(plan) - plan.detected_at))
             if plan.lost_steps > 0:
                 child(m.lost_steps, job[0], job[1], cause).inc(plan.lost_steps)
         child(m.reforms, job[0], job[1], cause, planned).inc()

@@ -199,14 +199,18 @@ def reform_latency() -> list[Stat | Timeseries]:
             "Re-form latency p50 / p95 by cause",
             "From the first signal to the first training step after the re-form. Planned causes (reclaim, grow) "
             "must fit inside the provider's notice window.",
-            "s", _quantiles(duration, "cause", "{{cause}}"), height=9,
+            "s", _quantiles(duration, "cause", "{{cause}}"), width=8, height=9,
         ),
         timeseries(
             "Re-form latency p50 / p95, planned vs unplanned",
-            "Planned: the job checkpointed before the re-form (reclaim notice, grow). Whether the workers re-formed "
-            "in place or were restarted is not in the metrics: each re-form's trace carries it "
-            "(regroup.reform.mode), and `regroup trace-report` tabulates it.",
-            "s", _quantiles(duration, "planned", "planned={{planned}}"), height=9,
+            "Planned: the job checkpointed before the re-form (reclaim notice, grow).",
+            "s", _quantiles(duration, "planned", "planned={{planned}}"), width=8, height=9,
+        ),
+        timeseries(
+            "Re-form latency p50 / p95, in place vs restart",
+            "in-place: the workers outlived the re-form (regroup-run); restart: they were restarted (plain torchrun, "
+            "--in-place=off, or a worker that could not re-form in place).",
+            "s", _quantiles(duration, "mode", "{{mode}}"), width=8, height=9,
         ),
         timeseries(
             "Phase breakdown (mean seconds per re-form)",
