@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("regroup.controller.status", "show a job's world size, members, progress and last re-form"),
     "demo": ("regroup.demo.main", "run the whole loop locally: etcd, agents, trainers, controller, churn"),
     "trace-report": ("regroup.trace_report", "re-form latency table from exported spans (OTLP JSON lines)"),
+    "whatif": ("regroup.whatif.command", "expected goodput under a churn rate, four ways; min/max and checkpoint interval"),
     "smoke": ("regroup.trainer.smoke", "all-reduce + matmul smoke check: bus bandwidth, TFLOP/s and MFU"),
 }
 

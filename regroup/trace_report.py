@@ -58,8 +58,9 @@ def _int_attr(attrs: dict[str, Any], key: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _resume_phases(attrs: dict[str, Any]) -> dict[str, float]:
-    """The ``regroup.resume.<phase>_s`` attributes of a resume span, in ``RESUME_PHASES`` order."""
+def resume_phases(attrs: dict[str, Any]) -> dict[str, float]:
+    """The ``regroup.resume.<phase>_s`` attributes of a resume span (the controller's
+    ``regroup.resume`` or the trainer's ``regroup.trainer.resume``), in ``RESUME_PHASES`` order."""
     found = {
         key.removeprefix(_RESUME_ATTR).removesuffix("_s"): float(value)
         for key, value in attrs.items()
@@ -81,13 +82,13 @@ def reforms_from_spans(spans: list[dict[str, Any]]) -> list[Reform]:
             continue
         attrs = span["attributes"]
         phases: dict[str, float] = {}
-        resume_phases: dict[str, float] = {}
+        resume_split: dict[str, float] = {}
         for child in children.get(span["span_id"], []):
             phase = child["name"].removeprefix("regroup.")
             if phase in PHASES:
                 phases[phase] = phases.get(phase, 0.0) + (child["end_ns"] - child["start_ns"]) / 1e9
             if phase == ReformPhase.RESUME:
-                resume_phases.update(_resume_phases(child["attributes"]))
+                resume_split.update(resume_phases(child["attributes"]))
         reforms.append(
             Reform(
                 trace_id=span["trace_id"],
@@ -100,7 +101,7 @@ def reforms_from_spans(spans: list[dict[str, Any]]) -> list[Reform]:
                 lost_steps=_int_attr(attrs, "regroup.lost_steps", -1),
                 phases=phases,
                 mode=str(attrs.get("regroup.reform.mode", "")),
-                resume_phases=resume_phases,
+                resume_phases=resume_split,
                 attributes=dict(attrs),
             )
         )
@@ -156,17 +157,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-split", action="store_true", help="also show where each resume's time went")
 
 
-def run(args: argparse.Namespace) -> int:
-    path: Path = args.spans
+class SpansFileError(ValueError):
+    """A spans file is missing or unreadable; the message names it."""
+
+
+def load_spans(path: Path) -> list[dict[str, Any]]:
+    """The spans of an OTLP JSON-lines file, or of ``spans.jsonl`` in a ``regroup demo`` run
+    folder; raises ``SpansFileError`` naming the file."""
     if path.is_dir():
         path = path / "spans.jsonl"
     if not path.is_file():
-        print(f"regroup trace-report: no spans file at {path}", file=sys.stderr)
-        return 2
+        raise SpansFileError(f"no spans file at {path}")
     try:
-        reforms = reforms_from_spans(read_spans(path))
-    except (ValueError, KeyError) as exc:
-        print(f"regroup trace-report: {path} is not an OTLP JSON-lines spans file: {exc!r}", file=sys.stderr)
+        return read_spans(path)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SpansFileError(f"{path} is not an OTLP JSON-lines spans file: {exc!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        reforms = reforms_from_spans(load_spans(args.spans))
+    except SpansFileError as exc:
+        print(f"regroup trace-report: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([{**asdict(r), "duration": r.duration} for r in reforms], indent=2))

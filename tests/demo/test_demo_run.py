@@ -13,23 +13,15 @@ from regroup.demo.analysis import (
     continuity_errors,
     event_impacts,
     incarnations,
-    load_run,
     resumed_from_memory,
 )
 from regroup.trace_report import reforms_from_spans
-from tests.demo.demo_runs import DEMO_TIMEOUT, play_demo
+from tests.demo.demo_runs import DEMO_TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(DEMO_TIMEOUT + 90)]
 
 
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory: pytest.TempPathFactory) -> RunData:
-    out = tmp_path_factory.mktemp("demo")
-    stdout = play_demo(out, "--scenario", "short")
-    run_dir = out / "run"
-    assert (run_dir / "report.html").is_file()
-    assert f"report: {run_dir.resolve() / 'report.html'}" in stdout
-    return load_run(run_dir)
+# ``short_run`` (tests/demo/conftest.py): the short scenario, played once per session.
 
 
 def _scripted(run: RunData, action: str) -> float:

@@ -1,0 +1,97 @@
+"""``regroup whatif``: the expected goodput of a job under a given churn, four ways.
+
+Reads the job's own spans (``regroup trace-report``'s reading), asks the model
+(``regroup.whatif.model``) and prints its tables, or JSON with ``--json``
+(``regroup.whatif.report``). Bad input (a malformed duration, an empty spans file, spans
+without a re-form) exits 2 with a message that names the option or the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from regroup.controller.jobconfig import parse_duration
+from regroup.trace_report import SpansFileError, load_spans
+from regroup.whatif.churn import DEFAULT_NOTICE, DEFAULT_REPLACE_AFTER, Churn, JobShape, WhatIfError
+from regroup.whatif.costs import costs_from_stalls
+from regroup.whatif.model import outcomes
+from regroup.whatif.recorded import Stall, checkpoint_seconds, stalls_from_spans, step_seconds
+from regroup.whatif.report import as_json, format_report
+
+
+def _duration(text: str) -> timedelta:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spans", type=Path, help="the job's OTLP JSON-lines spans file, or a `regroup demo` run folder")
+    parser.add_argument("--nodes", type=int, required=True, help="the job's full size (an elastic job's max)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="idle nodes a fixed-size job keeps to replace a lost one (default 0)")  # fmt: skip
+    parser.add_argument("--min-nodes", type=int, help="the elastic job's min (default: the recommended one)")
+    churn = parser.add_argument_group("churn (mean time between events, for the whole job: 20m, 2h, 1h30m)")
+    churn.add_argument("--reclaim-every", type=_duration, help="reclaim notices (spot reclaims, drains)")
+    churn.add_argument("--loss-every", type=_duration, help="abrupt node losses")
+    churn.add_argument("--flaky-every", type=_duration, help="nodes going bad (crashing their rank until cordoned)")
+    churn.add_argument("--joins-every", type=_duration,
+                       help="grows (default: each node that leaves is replaced, one grow each)")  # fmt: skip
+    churn.add_argument("--notice", type=_duration, default=DEFAULT_NOTICE, help="a reclaim's notice (default 2m)")
+    churn.add_argument("--replace-after", type=_duration, default=DEFAULT_REPLACE_AFTER,
+                       help="from a node leaving to its replacement joining (default 5m)")  # fmt: skip
+    churn.add_argument("--restart-storm", type=int, default=Churn().restart_storm,
+                       help="K of the job's restart-storm rule: a flaky node's crashes before its cordon "
+                            "(default 3)")  # fmt: skip
+    given = parser.add_argument_group("what the spans may not record")
+    given.add_argument("--checkpoint-cost", type=_duration, help="one checkpoint save to storage (default: recorded)")
+    given.add_argument("--step-time", type=_duration, help="one training step (default: recorded)")
+    given.add_argument("--process-start", type=_duration,
+                       help="a restarted worker's start (default: recorded on the restart path, else 60s)")  # fmt: skip
+    given.add_argument("--checkpoint-every", type=_duration,
+                       help="pin the checkpoint interval (default: Young's optimum)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _stalls(path: Path) -> tuple[list[dict[str, Any]], list[Stall]]:
+    try:
+        spans = load_spans(path)
+    except SpansFileError as exc:
+        raise WhatIfError(str(exc)) from None
+    shown = path / "spans.jsonl" if path.is_dir() else path
+    if not spans:
+        raise WhatIfError(f"{shown}: no spans in it")
+    stalls = stalls_from_spans(spans)
+    if not stalls:
+        raise WhatIfError(f"{shown}: no re-form in it (no regroup.reform or regroup.trainer.resume span)")
+    return spans, stalls
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        churn = Churn(
+            reclaim_every=args.reclaim_every, loss_every=args.loss_every, flaky_every=args.flaky_every,
+            joins_every=args.joins_every, notice=args.notice, replace_after=args.replace_after,
+            restart_storm=args.restart_storm,
+        )  # fmt: skip
+        job = JobShape(args.nodes, args.spares, args.min_nodes, args.checkpoint_every)
+        spans, stalls = _stalls(args.spans)
+        costs = costs_from_stalls(
+            stalls, step=step_seconds(spans, stalls), checkpoint=checkpoint_seconds(spans),
+            step_option=args.step_time, checkpoint_option=args.checkpoint_cost, process_start_option=args.process_start,
+        )  # fmt: skip
+    except WhatIfError as exc:
+        print(f"regroup whatif: {exc}", file=sys.stderr)
+        return 2
+    found = outcomes(costs, churn, job)
+    if args.json:
+        print(json.dumps(as_json(args.spans, churn, job, stalls, costs, found), indent=2))
+    else:
+        print(format_report(churn, job, stalls, costs, found))
+    return 0

@@ -1,0 +1,91 @@
+"""``regroup whatif`` as a user runs it: the tables, the JSON, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.whatif.spans import RecordedJob
+from tests.whatif.test_recorded import churned_job
+
+
+def whatif(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "regroup.cli", "whatif", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)  # fmt: skip
+
+
+def test_the_table_compares_the_strategies_under_the_churn(tmp_path: Path) -> None:
+    spans = churned_job(tmp_path / "spans.jsonl")
+    result = whatif(str(spans), "--nodes", "16", "--spares", "2", "--reclaim-every", "20m", "--loss-every", "2h")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("regroup whatif: 16 nodes + 2 spares; reclaim every 20m (2m notice), loss every 2h")
+    assert "recorded: 5 re-forms (1 planned shrink, 3 unplanned, 1 grow)" in lines[1]
+    header = lines.index(next(line for line in lines if line.startswith("strategy")))
+    rows = [line.split("  ")[0].strip() for line in lines[header + 2 : header + 6]]
+    assert rows == ["in-place elastic", "restart elastic", "fixed size + spares", "fixed size, checkpoint-restart"]
+    assert "seconds of training one event costs:" in lines and "seconds one re-form stops training" in result.stdout
+
+
+def test_json_has_each_strategy_with_its_settings(tmp_path: Path) -> None:
+    spans = churned_job(tmp_path / "spans.jsonl")
+    result = whatif(str(spans), "--nodes", "8", "--loss-every", "1h", "--min-nodes", "6", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    strategies = {s["strategy"]: s for s in report["strategies"]}
+    assert list(strategies) == ["in-place elastic", "restart elastic", "fixed size, checkpoint-restart"]
+    assert strategies["in-place elastic"]["min_nodes"] == 6 and strategies["in-place elastic"]["max_nodes"] == 8
+    for s in strategies.values():
+        assert 0 < s["time_goodput"] <= 1 and 0 < s["throughput_goodput"] <= s["time_goodput"]
+    assert strategies["fixed size, checkpoint-restart"]["checkpoint_every_s"] > 0
+    assert report["costs"]["checkpoint"] == {"seconds": pytest.approx(0.1), "source": "recorded"}
+    assert report["churn"]["loss_every_s"] == 3600.0
+    # What was read: one stall per new world, with its cause.
+    assert [s["cause"] for s in report["stalls"]] == ["reclaim", "node-lost", "crash", "grow", "node-lost"]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--loss-every", "2x"], "argument --loss-every: not a duration: '2x'"),
+        (["--reclaim-every", "0s"], "--reclaim-every: must be positive"),
+        (["--min-nodes", "9"], "--min-nodes: must be between 1 and --nodes (8), got 9"),
+        (["--nodes", "eight"], "argument --nodes: invalid int value: 'eight'"),
+    ],
+)
+def test_a_bad_option_is_named_and_exits_2(tmp_path: Path, args: list[str], named: str) -> None:
+    spans = churned_job(tmp_path / "spans.jsonl")
+    result = whatif(str(spans), "--nodes", "8", *args)
+    assert result.returncode == 2 and named in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_a_spans_file_with_nothing_to_go_on_is_named_and_exits_2(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    no_reform = tmp_path / "no-reform.jsonl"
+    job = RecordedJob(no_reform)
+    job.trainer.start_span("regroup.trainer.step").end()
+    job.close()
+    memory_only = tmp_path / "memory.jsonl"
+    job = RecordedJob(memory_only)
+    reclaim = job.reform("reclaim", 3, 2, 1.0, planned=True)
+    job.checkpoint(reclaim, 1.0, 0.2, step=5, world=3)
+    job.resume(reclaim, 1.5, 2.0, resumed_from=5, world=2)
+    job.close()
+    cases = [
+        (empty, f"{empty}: no spans in it"),
+        (no_reform, f"{no_reform}: no re-form in it"),
+        (tmp_path / "missing.jsonl", f"no spans file at {tmp_path / 'missing.jsonl'}"),
+        (memory_only, "give --checkpoint-cost"),
+    ]
+    for path, message in cases:
+        result = whatif(str(path), "--nodes", "4", "--loss-every", "1h")
+        assert result.returncode == 2 and message in result.stderr, (path, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert whatif(str(memory_only), "--nodes", "4", "--checkpoint-cost", "30s").returncode == 0
