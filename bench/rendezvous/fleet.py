@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -38,19 +38,33 @@ class Fleet:
         nnodes: tuple[int, int],
         fast: bool,
         conf: Mapping[str, str] | None = None,
+        identities: Sequence[Mapping[str, str]] | None = None,
     ) -> None:
-        """``conf``: rendezvous options that override the defaults below (any backend)."""
+        """``conf``: rendezvous options that override the defaults below (any backend).
+        ``identities``: each etcd-v3 agent's downward-API environment (``NODE_NAME``, and
+        ``POD_NAME``, ``POD_NAMESPACE`` to tie it to a pod); default: nodes ``node000``... of
+        namespace ``default``."""
         self.backend = backend
         self.run_id = run_id
         self.endpoint = endpoints[backend]
         self.pool = ThreadPoolExecutor(max_workers=n)
         self.shared: Shared | None = None
-        self.nodes = [f"node{i:03d}" for i in range(n)]
+        envs = list(identities) if identities is not None else [{"NODE_NAME": f"node{i:03d}"} for i in range(n)]
+        self.nodes = [env["NODE_NAME"] for env in envs]
         self._conf = dict(conf or {})
-        self.handlers = [self._make(node, nnodes, fast) for node in self.nodes]
+        self._nnodes = nnodes
+        self._fast = fast
+        self.handlers = [self._make(env) for env in envs]
         self.ranks: dict[int, int] = {}
 
-    def _make(self, node: str, nnodes: tuple[int, int], fast: bool) -> Any:
+    def add(self, identity: Mapping[str, str]) -> int:
+        """One more etcd-v3 agent (a node joining the job); returns its index."""
+        self.nodes.append(identity["NODE_NAME"])
+        self.handlers.append(self._make(identity))
+        return len(self.handlers) - 1
+
+    def _make(self, env: Mapping[str, str]) -> Any:
+        nnodes, fast = self._nnodes, self._fast
         if self.backend == "etcd-v3":
             # A first round of N agents must not close before all have joined (a slow machine can
             # take longer than the 5 s default); 30 s is torch's default last call.
@@ -60,7 +74,7 @@ class Fleet:
             conf |= self._conf
             settings = parse_settings(
                 endpoint=self.endpoint, run_id=self.run_id, min_nodes=nnodes[0], max_nodes=nnodes[1],
-                conf=conf, env={"NODE_NAME": node}, local_addr="127.0.0.1",
+                conf=conf, env=env, local_addr="127.0.0.1",
             )  # fmt: skip
             if self.shared is None:
                 self.shared = Shared.open(settings)
