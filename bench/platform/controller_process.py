@@ -22,19 +22,17 @@ import urllib.request
 from datetime import timedelta
 from pathlib import Path
 
-from regroup.controller.settings import ControllerSettings
+from regroup.controller.settings import CleanupSettings, ControllerSettings
 
 
-def with_retention(settings: ControllerSettings, retention: timedelta) -> tuple[ControllerSettings, bool]:
-    """The one place the benchmark sets how long the controller keeps a finished job's keys
-    before it deletes the job's prefix and writes its tombstone. Returns the settings and
-    whether they have such a setting: this controller has none yet, so it keeps every
-    ended job's keys, and the benchmark's end check reports what is left."""
-    del retention
-    return settings, False
+def with_retention(settings: ControllerSettings, retention: timedelta) -> ControllerSettings:
+    """The one place the benchmark sets how long the controller keeps an ended job's keys
+    before it deletes the job's prefix (and, for a finished job, writes its tombstone): the
+    controller's ``--retention``."""
+    return dataclasses.replace(settings, cleanup=CleanupSettings(retention=retention))
 
 
-def controller_settings(retention: timedelta) -> tuple[ControllerSettings, bool]:
+def controller_settings(retention: timedelta) -> ControllerSettings:
     """The production defaults, under the benchmark's identity and retention."""
     base = ControllerSettings()
     settings = dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, identity="regroup-controller-bench"))
@@ -50,7 +48,7 @@ async def serve(kubeconfig: Path, etcd_endpoint: str, http_port: int, retention:
     from regroup.controller.runtime import run_controller
     from regroup.etcd import EtcdSettings
 
-    settings, _ = controller_settings(retention)
+    settings = controller_settings(retention)
     metrics = ControllerMetrics()
     metrics.leader.set(1)
     api_client = await load_api_client(kubeconfig)

@@ -2,9 +2,10 @@
 and what compaction and defragmentation give back.
 
 A finished job's prefix ``/regroup/jobs/<ns>/<job>/`` should be empty once the controller's
-retention has passed (its clean-up then writes a tombstone ``/regroup/finished/<ns>/<job>``),
-and the lease count back where it was before the jobs came: every agent's lease revoked on
-its leave or run out after its death.
+retention has passed (its clean-up then writes a tombstone ``/regroup/finished/<ns>/<job>``,
+which goes in turn once the job's pods have been gone for the retention), and the lease
+count back where it was before the jobs came: every agent's lease revoked on its leave or
+run out after its death.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from datetime import timedelta
 from typing import Any
 
 from bench.platform.observe import EtcdGateway
-from regroup.keys import DEFAULT_PREFIX
+from regroup.keys import JobKeys
 
-FINISHED_PREFIX = "/regroup/finished/"
-"""Where the controller's clean-up leaves a finished job's tombstone (``<ns>/<job>``)."""
 LEASE_SETTLE = timedelta(seconds=5)
 """Beyond the agents' lease TTL: how long the dead agents' leases may take to go."""
 RETENTION_SETTLE = timedelta(seconds=10)
@@ -28,7 +27,7 @@ RETENTION_SETTLE = timedelta(seconds=10)
 
 
 def job_root(namespace: str, job: str) -> str:
-    return f"{DEFAULT_PREFIX}/{namespace}/{job}/"
+    return JobKeys(namespace, job).root
 
 
 def key_kind(rest: str) -> str:
@@ -51,21 +50,22 @@ async def _settle(done: Callable[[], bool], timeout: timedelta) -> float:
 
 async def check_leftovers(
     gateway: EtcdGateway, namespace: str, ended: list[str], leases_start: int, lease_ttl: timedelta,
-    retention: timedelta | None,
+    retention: timedelta,
 ) -> dict[str, Any]:
     """What the ``ended`` jobs left, once the dead agents' leases had their TTL and the
-    controller its ``retention`` (None: the controller has no such setting, nothing to wait
-    for); then the database before and after compaction and defragmentation."""
+    controller its ``retention``; then the database before and after compaction and defragmentation."""
     roots = [job_root(namespace, job) for job in ended]
     waited = await _settle(lambda: gateway.leases() <= leases_start, lease_ttl + LEASE_SETTLE)
-    if retention is not None:
-        waited += await _settle(lambda: not any(gateway.count(r) for r in roots), retention + RETENTION_SETTLE)
+    tombstone_keys = [JobKeys(namespace, job).tombstone for job in ended]
+    waited += await _settle(
+        lambda: not any(gateway.count(key) for key in (*roots, *tombstone_keys)), retention + RETENTION_SETTLE
+    )
     left = {job: gateway.count(root) for job, root in zip(ended, roots, strict=True)}
     kinds: Counter[str] = Counter()
     for job, root in zip(ended, roots, strict=True):
         if left[job]:
             kinds.update(key_kind(key.removeprefix(root)) for key in gateway.keys(root, limit=left[job]))
-    tombstones = sum(gateway.count(f"{FINISHED_PREFIX}{namespace}/{job}") for job in ended)
+    tombstones = sum(gateway.count(key) for key in tombstone_keys)
     leases_end = gateway.leases()
     db_before, in_use_before = gateway.db_size()
     await asyncio.to_thread(gateway.compact_and_defragment)
@@ -85,5 +85,5 @@ async def check_leftovers(
         "db_in_use_before": in_use_before,
         "db_bytes_after": db_after,
         "db_in_use_after": in_use_after,
-        "clean": not dirty and leases_end <= leases_start,
+        "clean": not dirty and not tombstones and leases_end <= leases_start,
     }

@@ -150,7 +150,7 @@ def render(run: dict[str, Any]) -> str:
     for s in sizes:
         end = s["end"]
         kinds = ", ".join(f"{k} {n}" for k, n in end["key_kinds"].items()) or "none"
-        retention = f"{end['retention_s']:g} s" if end["retention_applied"] else "not settable (hook: with_retention)"
+        retention = f"{end['retention_s']:g} s"
         lines.append(
             f"| {s['jobs']} | {end['ended_jobs']} | {end['jobs_with_keys']} | {end['keys_left']} | {kinds} "
             f"| {end['tombstones']} | {end['leases_start']} → {end['leases_end']} | {retention} |"

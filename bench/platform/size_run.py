@@ -24,7 +24,7 @@ from typing import Any
 from bench.platform.agent_host import AgentHost
 from bench.platform.agent_specs import Timing
 from bench.platform.churn import Churn
-from bench.platform.controller_process import ControllerProcess, controller_settings
+from bench.platform.controller_process import ControllerProcess
 from bench.platform.jobs import NAMESPACE, Job, Jobs, News
 from bench.platform.leftovers import check_leftovers
 from bench.platform.observe import COUNTERS, GAUGES, EtcdGateway, Usage, usage
@@ -218,10 +218,6 @@ async def _end(platform: Platform, leases_start: int) -> dict[str, Any]:
     jobs = platform.jobs
     live = [j for j in jobs.all.values() if not j.ended]
     finished = await asyncio.gather(*(jobs.finish(j, platform.news, FINISH_TIMEOUT) for j in live))
-    _, settable = controller_settings(s.retention)
-    left = await check_leftovers(
-        platform.gateway, NAMESPACE, list(jobs.all), leases_start, s.timing.lease_ttl, s.retention if settable else None
-    )
+    left = await check_leftovers(platform.gateway, NAMESPACE, list(jobs.all), leases_start, s.timing.lease_ttl, s.retention)
     (s.root / "leftovers.json").write_text(json.dumps(left.pop("keys_by_job"), indent=1) + "\n")
-    return {**left, "not_finished_in_time": finished.count(False), "retention_s": s.retention.total_seconds(),
-            "retention_applied": settable}  # fmt: skip
+    return {**left, "not_finished_in_time": finished.count(False), "retention_s": s.retention.total_seconds()}
