@@ -55,7 +55,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lease-ttl", type=float, default=5.0, help="the agents' lease TTL, seconds (default 5)")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds between forming and the window (default 10)")
     parser.add_argument("--retention", type=float, default=10.0,
-                        help="seconds the controller keeps a finished job's keys, where it can be set (default 10)")  # fmt: skip
+                        help="seconds the controller keeps an ended job's keys (its --retention; default 10)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=20,
                         help="seconds of CPU profile of etcd, the controller and an agent host per size (0: none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
