@@ -264,7 +264,11 @@ class Session:
         leaving = False
         if run is not None:
             self.last_step = max(self.last_step, old_step)
-            run._record_reached()
+            if run.change.first_step_done:
+                # A world that failed before its first step reached nothing: its state is not
+                # restored yet (step 0), and a record of it would tell the controller and
+                # `regroup status` that the job started over in that round.
+                run._record_reached()
             held, leaving = run.leave_world(clean)
             if held:
                 # A world that failed before it trained held nothing new: the state from the
