@@ -192,3 +192,37 @@ def test_field_newer_than_the_oldest_supported_version_is_caught() -> None:
     validate_object(doc, "1.37")
     with pytest.raises(InvalidManifest, match="resources"):
         validate_object(doc, "1.29")
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_production_etcd_follows_the_sizing_table(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    # docs/deploy.md, "Sizing etcd": 200 jobs of 16 agents per etcd cluster.
+    prod = rendered["deploy/overlays/prod"]
+    etcd = _one(prod, "StatefulSet", "regroup-etcd")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in etcd["env"]}
+    assert env["ETCD_AUTO_COMPACTION_MODE"] == "periodic" and env["ETCD_AUTO_COMPACTION_RETENTION"] == "30m"
+    assert int(env["ETCD_QUOTA_BACKEND_BYTES"]) == 4 * 2**30
+    assert etcd["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
+    assert "cpu" not in etcd["resources"]["limits"]  # a throttled etcd misses its heartbeats
+    controller = _one(prod, "Deployment", "regroup-controller")["spec"]["template"]["spec"]["containers"][0]
+    assert controller["resources"]["requests"] == {"cpu": "250m", "memory": "256Mi"}
+
+
+def test_production_defragments_etcd_through_its_network_policy(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    prod = rendered["deploy/overlays/prod"]
+    job = _one(prod, "CronJob", "regroup-etcd-defrag")["spec"]["jobTemplate"]["spec"]["template"]
+    command = job["spec"]["containers"][0]["command"]
+    assert command[0].endswith("etcdctl") and command[-2:] == ["defrag", "--cluster"]
+    assert any(arg.startswith("--cert=") for arg in command)  # the members require client certificates
+    labels = job["metadata"]["labels"]
+    allowed = _one(prod, "NetworkPolicy", "regroup-etcd")["spec"]["ingress"][0]["from"]
+    assert any(
+        peer.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items() and "namespaceSelector" not in peer
+        for peer in allowed if peer.get("podSelector", {}).get("matchLabels")
+    )
+    # Not selected as an etcd member by the Service or the policy itself.
+    assert labels.get("app.kubernetes.io/name") != "etcd"
