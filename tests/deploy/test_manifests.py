@@ -206,7 +206,7 @@ def test_production_etcd_follows_the_sizing_table(rendered: dict[str, list[dict[
     env = {e["name"]: e.get("value") for e in etcd["env"]}
     assert env["ETCD_AUTO_COMPACTION_MODE"] == "periodic" and env["ETCD_AUTO_COMPACTION_RETENTION"] == "30m"
     assert int(env["ETCD_QUOTA_BACKEND_BYTES"]) == 4 * 2**30
-    assert etcd["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
+    assert etcd["resources"]["requests"] == {"cpu": "2", "memory": "1Gi"}
     assert "cpu" not in etcd["resources"]["limits"]  # a throttled etcd misses its heartbeats
     controller = _one(prod, "Deployment", "regroup-controller")["spec"]["template"]["spec"]["containers"][0]
     assert controller["resources"]["requests"] == {"cpu": "250m", "memory": "256Mi"}
