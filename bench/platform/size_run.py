@@ -2,7 +2,7 @@
 controller, the agent hosts; the jobs start and form, the churn and the probe run through
 the measurement window, every job ends, and what they left behind is checked.
 
-Processes: etcd (``--enable-pprof``), the controller (``controller_process``), one agent
+Processes: etcd (``--enable-pprof``), the controller (``regroup controller``, ``controller_process``), one agent
 host for the probe job and ``hosts`` for the background jobs (round robin), and this one
 (``bench``), which serves the Kubernetes API stand-in the controller watches and plays the
 churn.
