@@ -2,12 +2,13 @@
 
 ``plan_join`` says what a joining agent does next (write its join record, close the
 round, wait, or finish); ``count_waiting`` is what ``num_nodes_waiting()`` reports to
-torchrun's monitor loop. Neither does I/O: the handler applies their answers.
+torchrun's monitor loop; ``count_spares`` how many agents wait outside a formed round.
+None does I/O: the handler applies their answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -85,7 +86,7 @@ class JobView:
     @cached_property
     def next_joiners(self) -> list[JoinRecord]:
         """Live agents asking for the next round, in rank order (computed once per view:
-        every agent sharing this view decides from it)."""
+        every agent sharing this view decides from it), those on probation included."""
         return _joiners(self, (self.state.round if self.state else 0) + 1)
 
     @cached_property
@@ -193,10 +194,12 @@ def plan_join(
     closing = (
         ready.members
         if ready.members is not None
-        else (view.next_joiners if ready.until is not None and now >= ready.until else None)
+        else (ready.joiners if ready.until is not None and now >= ready.until else None)
     )
     if closing and closing[0].agent != me.agent and closing[0].agent in view.alive():
-        # The new round's rank 0 closes it; the others step in only if it is gone or stuck.
+        # The new round's rank 0 closes it (a newcomer, when it fills a lost rank 0's
+        # position: it is live and joined, so it is in its own join loop); the others step
+        # in only if it is gone or stuck.
         backup = view.last_joined_at + CLOSE_GRACE_S
         if now < backup:
             return Wait(f"round {current + 1} ready; {closing[0].node} closes it", until=backup)
@@ -208,15 +211,49 @@ def benched(view: JobView, now: float) -> frozenset[str]:
     return frozenset(agent for not_before, agent in view.on_probation if not_before > now)
 
 
-def _joiners(view: JobView, target: int) -> list[JoinRecord]:
-    """Live agents asking for round ``target``: previous members first (they keep their
-    relative rank, so rank 0 stays put), then newcomers by join time."""
+def _joiners(view: JobView, target: int, bench: frozenset[str] = frozenset()) -> list[JoinRecord]:
+    """Live agents asking for round ``target``, not excluded and not in ``bench``, in rank
+    order (``round_order``)."""
     alive, excluded = view.alive(), view.excluded
     joins = [
-        j for j in view.joins.values() if j.round == target and alive.get(j.agent) == j.node and j.node not in excluded
+        j for j in view.joins.values()
+        if j.round == target and alive.get(j.agent) == j.node and j.node not in excluded and j.agent not in bench
     ]
-    previous = {a: i for i, a in enumerate(view.state.agents)} if view.state else {}
-    return sorted(joins, key=lambda j: (previous.get(j.agent, len(previous)), j.joined_at, j.node))
+    return round_order(view.state.agents if view.state else (), joins)
+
+
+def round_order(previous: Sequence[str], joins: list[JoinRecord]) -> list[JoinRecord]:
+    """The next round's members in rank order: each member of the previous round (agents
+    ``previous``, in rank order) that joins keeps its position; the positions of those that
+    do not (lost, left out, excluded, on probation) go to the newcomers in join order; the
+    remaining newcomers follow, and positions still vacant are dropped (the members after
+    them move up, keeping their relative order).
+
+    A node that takes a leaving node's position takes its ranks: an agent's rank in the
+    round is its group rank, and torch's ``_assign_worker_ranks`` gives each agent the
+    global ranks that follow those of the agents before it. So a replacement with the same
+    ``--nproc-per-node`` gets exactly the leaving node's ranks (and mesh coordinates), and
+    the survivors keep theirs. O(n log n): it runs on every change of a big job's view."""
+    position: dict[str, int] = {}
+    for index, agent in enumerate(previous):
+        position.setdefault(agent, index)
+    held_by: list[JoinRecord | None] = [None] * len(previous)
+    newcomers: list[JoinRecord] = []
+    for j in joins:
+        index = position.get(j.agent)
+        if index is None:
+            newcomers.append(j)
+        else:
+            held_by[index] = j
+    newcomers.sort(key=lambda j: (j.joined_at, j.node))
+    arrivals = iter(newcomers)
+    order: list[JoinRecord] = []
+    for held in held_by:
+        member = held if held is not None else next(arrivals, None)
+        if member is not None:
+            order.append(member)
+    order.extend(arrivals)
+    return order
 
 
 def _round(
@@ -262,8 +299,10 @@ class _Readiness:
     """The round's members, in rank order, when it can close now; else None."""
     reason: str
     until: float | None = None
-    """When waiting for a last call: the moment it ends (then ``members`` are the joiners)."""
+    """When waiting for a last call: the moment it ends (then the round is ``joiners``)."""
     extra: dict[str, object] = field(default_factory=dict)
+    joiners: list[JoinRecord] = field(default_factory=list)
+    """The agents counted for the round (those on probation left out), in rank order."""
 
 
 def _readiness(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) -> _Readiness:
@@ -280,6 +319,7 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
     joined = view.next_joined
     expected = usable_expected(view, bounds)
     if expected is not None:
+        # The controller's order is kept as given (it orders the nodes as ``round_order`` does).
         missing = [n for n in expected.nodes if n not in joined]
         if missing:
             return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(missing)}")
@@ -292,26 +332,27 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
         extra = {"expected_generation": expected.generation, "excluded": sorted(set(left_out))}
         return _Readiness([by_node[n] for n in expected.nodes], reason, extra=extra)
     if bench:
-        # Nodes on probation neither count as joined nor hold the round up.
+        # Nodes on probation neither count as joined nor hold the round up, nor keep their
+        # position: a newcomer may take it.
         benched_nodes = {j.node for j in joiners if j.agent in bench}
-        joiners = [j for j in joiners if j.agent not in bench]
+        joiners = _joiners(view, (state.round if state else 0) + 1, bench)
         joined = frozenset(j.node for j in joiners) | benched_nodes
-    else:
-        benched_nodes = set()
-    if len(joiners) >= bounds.max_nodes:
-        return _Readiness(joiners[: bounds.max_nodes], f"max {bounds.max_nodes} nodes joined")
-    if len(joiners) < bounds.min_nodes:
-        return _Readiness(None, f"{len(joiners)}/{bounds.min_nodes} nodes joined")
     alive = view.alive()
     previous = set(state.agents) if state else set()
     running = sorted(alive[a] for a in previous if a in alive and alive[a] not in joined)
+    if len(joiners) >= bounds.max_nodes and not [n for n in running if n not in view.excluded]:
+        # At max at once, unless a member still running would lose its position to a
+        # newcomer: waiting nodes fill the positions of those that left, never a survivor's.
+        return _Readiness(joiners[: bounds.max_nodes], f"max {bounds.max_nodes} nodes joined", joiners=joiners)
+    if len(joiners) < bounds.min_nodes:
+        return _Readiness(None, f"{len(joiners)}/{bounds.min_nodes} nodes joined", joiners=joiners)
     if running:
-        return _Readiness(None, f"waiting for running members to rejoin: {_names(running)}")
+        return _Readiness(None, f"waiting for running members to rejoin: {_names(running)}", joiners=joiners)
     registering = [n for n in view.members if n not in joined]
     if not registering and any(j.agent in previous for j in joiners):
-        return _Readiness(joiners, "every live member rejoined")
+        return _Readiness(joiners, "every live member rejoined", joiners=joiners)
     deadline = sorted(j.joined_at for j in joiners)[bounds.min_nodes - 1] + bounds.last_call_s
-    return _Readiness(None, f"last call for more nodes ({len(joiners)} joined)", until=deadline)
+    return _Readiness(None, f"last call for more nodes ({len(joiners)} joined)", until=deadline, joiners=joiners)
 
 
 def plan_close(view: JobView, now: float, bounds: Bounds) -> CloseRound | Wait:
@@ -321,8 +362,7 @@ def plan_close(view: JobView, now: float, bounds: Bounds) -> CloseRound | Wait:
     if ready.members is not None:
         return _round(view, ready.members, now, bounds, ready.reason, **ready.extra)
     if ready.until is not None and now >= ready.until:
-        members = [j for j in view.next_joiners if j.agent not in bench]
-        return _round(view, members, now, bounds, f"last call after {bounds.last_call_s}s")
+        return _round(view, ready.joiners, now, bounds, f"last call after {bounds.last_call_s}s")
     until = ready.until
     if bench:
         ends = min(j.not_before for j in view.joins.values() if j.agent in bench)
@@ -366,6 +406,24 @@ def count_waiting(view: JobView, my_round: int, max_nodes: int, now: float = 0.0
         if waiting:
             return len(waiting), f"node(s) waiting to join: {_names(sorted(waiting))}"
     return 0, ""
+
+
+def count_spares(view: JobView, now: float) -> int:
+    """The job's spares around its last formed round: live agents whose join record asks for
+    that round or a later one, that are not in it, not excluded (their node in
+    ``control/excluded``, or left out of the round) and not on probation at ``now``. They
+    are what answers the next loss without shrinking the job: a waiting agent takes the lost
+    node's position. One pass over the view's join records."""
+    state = view.state
+    if state is None or state.closed:
+        return 0
+    alive, excluded, left_out = view.alive(), view.excluded, frozenset(state.excluded)
+    return sum(
+        1
+        for j in view.joins.values()
+        if j.round >= state.round and alive.get(j.agent) == j.node and view.rank_of(j.agent) is None
+        and j.node not in excluded and j.agent not in left_out and j.not_before <= now
+    )
 
 
 def _names(nodes: list[str], shown: int = 5) -> str:

@@ -36,7 +36,7 @@ from regroup.failures import FAILURE_DIR_ENV, charged, take_failures
 from regroup.telemetry import context_from_traceparent
 from regroup.rendezvous.agent import AgentKeys
 from regroup.rendezvous.connection import Shared
-from regroup.rendezvous.decisions import Bounds, JobView, count_waiting, round_abandoned, usable_expected
+from regroup.rendezvous.decisions import Bounds, JobView, count_spares, count_waiting, round_abandoned, usable_expected
 from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinLoop
 from regroup.rendezvous.ports import master_port
 from regroup.rendezvous.settings import RendezvousSettings
@@ -325,6 +325,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 # reach every agent while all of them wait for that address.
                 self._update_member()
         self._store = store
+        spares, wanted = count_spares(self.view, time.time()), self._settings.spare_nodes
         log.info(
             "rendezvous complete",
             job=self._settings.job.job,
@@ -333,9 +334,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             rank=rank,
             node_count=node_count,
             restart_count=self._restart_count,
+            spares=spares,
+            spares_wanted=wanted,
             seconds=round_s(time.monotonic() - started),
         )
+        if rank == 0 and spares < wanted:
+            self._warn_spares(number, node_count, spares, wanted)
         return RendezvousInfo(store, rank, node_count, bootstrap)
+
+    def _warn_spares(self, number: int, node_count: int, spares: int, wanted: int) -> None:
+        """The job has fewer spares than ``spare_nodes`` asks for: the round's rank 0 says so,
+        once per round for the whole job."""
+        loss = "the next loss of a node" if not spares else f"a loss of a node beyond the {spares} spare(s)"
+        if node_count > self._settings.min_nodes:
+            note = f"{loss} shrinks the job to {node_count - 1} node(s)"
+        else:
+            note = f"{loss} stalls the job below --nnodes min {self._settings.min_nodes}"
+        log.warning(
+            "spares below wanted", job=self._settings.job.job, node=self.node, round=number, spares=spares,
+            spares_wanted=wanted, note=note,
+        )  # fmt: skip
 
     def _join_round(self, timeout: timedelta) -> tuple[int, int, int]:
         try:

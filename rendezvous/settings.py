@@ -37,6 +37,7 @@ CONF_KEYS = (
     "read_timeout",
     "key_prefix",
     "node_name",
+    "spare_nodes",
 )
 ALIASES = {
     "ca_cert": "cacert",  # etcd-v2
@@ -146,8 +147,14 @@ class RendezvousSettings:
     """Join, last-call and close timeouts."""
     notes: tuple[str, ...] = ()
     """What the handler logs once at start: options accepted with no effect, or mapped."""
+    spare_nodes: int = 0
+    """Spares the job wants: agents beyond ``max_nodes`` waiting to take a leaving node's
+    position. Reporting only (a round logs how many there are, and warns when fewer): a
+    waiting agent replaces a lost one whether or not spares were asked for."""
 
     def __post_init__(self) -> None:
+        if self.spare_nodes < 0:
+            raise SettingsError(f"spare_nodes must not be negative, got {self.spare_nodes}")
         if self.min_nodes < 1:
             raise SettingsError(f"min_nodes must be at least 1, got {self.min_nodes}")
         if self.max_nodes < self.min_nodes:
@@ -237,6 +244,20 @@ def _number(conf: Mapping[str, Any], name: str, default: float) -> float:
     return value
 
 
+def _count(conf: Mapping[str, Any], name: str, default: int) -> int:
+    """A whole number >= 0 (``default`` when not given)."""
+    raw = conf.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise SettingsError(f"rdzv-conf {name}: expected a whole number >= 0, got {raw!r}") from None
+    if value < 0:
+        raise SettingsError(f"rdzv-conf {name}: expected a whole number >= 0, got {raw!r}")
+    return value
+
+
 def _https(conf: Mapping[str, Any]) -> bool:
     protocol = str(conf.get("protocol") or "http").strip().lower()
     if protocol not in ("http", "https"):
@@ -305,4 +326,5 @@ def parse_settings(
         lease_ttl=_first(_seconds(conf, "lease_ttl"), RendezvousSettings.lease_ttl),
         timeouts=timeouts,
         notes=tuple(notes),
+        spare_nodes=_count(conf, "spare_nodes", RendezvousSettings.spare_nodes),
     )

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 
 from datetime import timedelta
 
 import pytest
 
 from regroup.records import ExpectedMembership, JoinRecord, MemberRecord, ReformRequest, RoundState, agent_id
-from regroup.rendezvous.decisions import Bounds, JobView, Me, count_waiting, plan_close, plan_join, round_abandoned
+from regroup.rendezvous.decisions import (
+    Bounds,
+    JobView,
+    Me,
+    count_spares,
+    count_waiting,
+    plan_close,
+    plan_join,
+    round_abandoned,
+    round_order,
+)
 from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
 from regroup.rendezvous.settings import SettingsError, parse_settings
 
@@ -254,3 +265,159 @@ def test_a_stepped_out_agent_takes_its_place_in_a_round_that_counted_it() -> Non
     assert plan_join(view(["a", "b", "c"], state=formed(["a", "b"], round=2)), me("c"), None, 0, BOUNDS,
                      seat=2) == PutJoin(3, "join")
     assert plan_join(v, me("c"), None, 0, BOUNDS, seat=1) == PutJoin(3, "join")
+
+
+# -- positions and spares --------------------------------------------------------------------
+
+
+def rejoin(state: RoundState, alive: list[str], waiting: Sequence[str] = (), **extra: object) -> JobView:
+    """The view once every live member of ``state`` asked for the next round, with the agents
+    ``waiting`` (spares, newcomers) in join order, ahead of the members."""
+    nxt = state.round + 1
+    joins = [join(n, nxt, at=1.0 + i) for i, n in enumerate(waiting)]
+    joins += [join(n, nxt, at=50.0) for n in state.nodes if n in alive]
+    return view([*alive, *waiting], joins, state=state, **extra)
+
+
+@pytest.mark.parametrize(
+    ("before", "lost", "waiting", "after"),
+    [
+        ("abcd", "c", "e", "abed"),  # the spare takes the lost node's position
+        ("abcd", "a", "e", "ebcd"),  # rank 0's too
+        ("abcd", "c", "", "abd"),  # none waiting: the position is dropped, the others move up
+        ("abcd", "ac", "fe", "fbed"),  # vacant positions in rank order, spares in join order
+        ("abc", "b", "ef", "aecf"),  # below max: vacancies first, then the rest appended
+        ("abd", "", "e", "abde"),  # a grow appends
+    ],
+)
+def test_a_new_round_keeps_every_survivors_position_and_fills_the_vacant_ones_in_join_order(
+    before: str, lost: str, waiting: str, after: str
+) -> None:
+    state = formed(list(before))
+    v = rejoin(state, [n for n in before if n not in lost], list(waiting))
+    closed = plan_close(v, now=60.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound), closed
+    assert "".join(closed.state.nodes) == after
+
+
+def test_with_several_workers_per_node_a_replacement_gets_exactly_the_lost_nodes_ranks() -> None:
+    """``--nproc-per-node=k`` is only a matter of positions: a round's position is its agent's
+    group rank, and torch's ``_assign_worker_ranks`` gives each agent the k global ranks
+    after those of the agents before it (its workers' mesh coordinates follow from those
+    ranks). So keeping the survivors' positions keeps their ranks, and the node in a lost
+    node's position gets exactly that node's ranks; nothing else is needed of the rendezvous."""
+    k = 4
+
+    def ranks(nodes: list[str]) -> dict[str, list[int]]:
+        return {node: list(range(position * k, position * k + k)) for position, node in enumerate(nodes)}
+
+    before = ranks(list("abcd"))
+    closed = plan_close(rejoin(formed(list("abcd")), list("abd"), ["e"]), now=60.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound)
+    after = ranks(closed.state.nodes)
+    assert after["e"] == before["c"] == [8, 9, 10, 11]
+    assert all(after[n] == before[n] for n in "abd")
+
+
+def test_a_spare_is_not_a_reason_to_re_form_with_or_without_a_controller() -> None:
+    state = formed(list("abcd"))
+    for controller in (False, True):
+        v = view(list("abcde"), [join("e", 2)], state=state, controller=controller)
+        assert count_waiting(v, 1, max_nodes=4) == (0, ""), f"controller={controller}"
+
+
+def test_a_loss_with_a_spare_waiting_closes_at_once_with_the_spare_in_the_lost_position() -> None:
+    state = formed(list("abcd"))
+    spare = join("e", 2, at=1.0)
+    for controller in (False, True):
+        lost = view(list("abde"), [spare], state=state, controller=controller)
+        assert count_waiting(lost, 1, max_nodes=4) == (1, "member(s) lost: c")
+    v = rejoin(state, list("abd"), ["e"])
+    closed = plan_close(v, now=50.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.reason == "max 4 nodes joined"
+    assert closed.state.nodes == list("abed")
+    # The round is closed by its rank 0; the spare learns its rank, the lost node's.
+    assert plan_join(v, me("b"), 2, 50.0, BOUNDS) == Wait("round 2 ready; a closes it", until=55.0)
+    after = view(list("abde"), v.joins.values(), state=closed.state)  # type: ignore[arg-type]
+    assert plan_join(after, me("e"), 2, 50.0, BOUNDS) == Done(2, 2, 4)
+
+
+def test_a_spare_in_a_lost_rank_0s_position_closes_the_round_itself() -> None:
+    v = rejoin(formed(list("abcd")), list("bcd"), ["e"])
+    assert plan_join(v, me("b"), 2, 50.0, BOUNDS) == Wait("round 2 ready; e closes it", until=55.0)
+    closed = plan_join(v, me("e"), 2, 50.0, BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == list("ebcd")
+    # Should it not close (stuck), the others do, after the grace, in the same order.
+    backup = plan_join(v, me("b"), 2, 55.0, BOUNDS)
+    assert isinstance(backup, CloseRound) and backup.state.nodes == list("ebcd")
+
+
+def test_spares_wait_for_every_running_member_rather_than_take_its_position() -> None:
+    # c is lost; a and b rejoined first, d is still stopping its workers: two spares and the
+    # two rejoined members make four, but d keeps its position.
+    state = formed(list("abcd"))
+    v = view(list("abdef"), [join("e", 2, at=1.0), join("f", 2, at=2.0), join("a", 2), join("b", 2)], state=state)
+    assert plan_close(v, now=50.0, bounds=BOUNDS) == Wait("waiting for running members to rejoin: d")
+    closed = plan_close(rejoin(state, list("abd"), ["e", "f"]), now=50.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == list("abed")
+
+
+def test_an_excluded_or_benched_members_position_goes_to_a_spare() -> None:
+    state = formed(list("abcd"))
+    # c's node is leaving (control/excluded): its agent is alive but does not come back.
+    excluded = rejoin(state, list("abcd"), ["e"], excluded={"c": "reclaim notice"})
+    closed = plan_close(excluded, now=50.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == list("abed")
+    # c's own workers failed: it is on probation, and the spare takes its position meanwhile.
+    benched = rejoin(state, list("abd"), ["e"])
+    benched = dataclasses.replace(benched, members={**benched.members, "c": member("c")},
+                                  joins={**benched.joins, "c": dataclasses.replace(join("c", 2), not_before=100.0)})
+    closed = plan_close(benched, now=50.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == list("abed")
+
+
+def test_expected_membership_keeps_the_controllers_order() -> None:
+    expected = ExpectedMembership(generation=2, nodes=["e", "a", "b", "d"], reason="replace c")
+    v = rejoin(formed(list("abcd")), list("abd"), ["e"], expected=expected)
+    closed = plan_close(v, now=50.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == ["e", "a", "b", "d"]
+
+
+def test_round_order_fills_a_big_jobs_vacant_positions_in_join_order() -> None:
+    """Hundreds of agents: a round of 512 with every other member lost, 300 spares whose
+    records come in no particular order."""
+    previous = [f"n{i}" for i in range(512)]
+    survivors = [join(n, 2) for n in previous[::2]]
+    spares = [join(f"s{i}", 2, at=float(i)) for i in range(300)]
+    order = round_order([aid(n) for n in previous], [*spares[::-1], *survivors])
+    assert [j.node for j in order[:4]] == ["n0", "s0", "n2", "s1"]
+    assert [j.node for j in order[510:514]] == ["n510", "s255", "s256", "s257"]
+    assert len(order) == 556
+
+
+def test_count_spares_counts_live_waiting_agents_outside_the_round_only() -> None:
+    state = formed(list("abcd"), round=2, excluded=[aid("x")])
+    joins = [
+        join("e", 2),  # asked for the round that formed without it, not refreshed yet
+        join("f", 3),  # asked again for the next
+        join("a", 3),  # a member re-entering: not a spare
+        join("g", 3),  # its agent is dead
+        join("h", 3),  # its node is leaving
+        dataclasses.replace(join("p", 3), not_before=100.0),  # on probation
+        join("x", 3),  # left out of the round
+        join("o", 1),  # a stale record of an older round
+    ]
+    v = view([*"abcdefhpxo"], joins, state=state, excluded={"h": "reclaim notice"})
+    assert count_spares(v, now=50.0) == 2
+    assert count_spares(v, now=100.0) == 3, "probation over"
+    assert count_spares(view(["a"]), now=0.0) == 0, "no round formed"
+
+
+def test_settings_read_spare_nodes_as_a_count() -> None:
+    base = {"endpoint": "127.0.0.1:2379", "run_id": "job", "min_nodes": 1, "max_nodes": 2, "env": {}}
+    assert parse_settings(conf={}, **base).spare_nodes == 0  # type: ignore[arg-type]
+    assert parse_settings(conf={"spare_nodes": "2"}, **base).spare_nodes == 2  # type: ignore[arg-type]
+    assert parse_settings(conf={"spare_nodes": "'1'"}, **base).spare_nodes == 1  # type: ignore[arg-type]
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(SettingsError, match="spare_nodes: expected a whole number >= 0"):
+            parse_settings(conf={"spare_nodes": bad}, **base)  # type: ignore[arg-type]
