@@ -24,7 +24,10 @@ CHECKPOINT_TIMEOUT = PREFIX + "checkpoint-timeout"
 JOIN_WINDOW = PREFIX + "join-window"
 RESTART_STORM = PREFIX + "restart-storm"
 RECLAIM_TAINTS = PREFIX + "reclaim-taints"
-ANNOTATIONS = (MIN_NODES, MAX_NODES, RDZV_ENDPOINT, CHECKPOINT_TIMEOUT, JOIN_WINDOW, RESTART_STORM, RECLAIM_TAINTS)
+SPARE_NODES = PREFIX + "spare-nodes"
+ANNOTATIONS = (
+    MIN_NODES, MAX_NODES, RDZV_ENDPOINT, CHECKPOINT_TIMEOUT, JOIN_WINDOW, RESTART_STORM, RECLAIM_TAINTS, SPARE_NODES
+)
 
 ROLE_LABEL = "regroup.dev/role"
 NAME_LABEL = "app.kubernetes.io/name"
@@ -42,6 +45,10 @@ class JobConfig:
     storm_restarts: int
     storm_window: timedelta
     reclaim_taints: frozenset[str]
+    spare_nodes: int = 0
+    """Spare nodes the job wants waiting while it trains at max. It sets what the status,
+    metrics and alerts compare the spares with, not the policy: a waiting node replaces a
+    leaving one whether or not spares were asked for."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,16 @@ def _parse_items(items: tuple[tuple[str, str], ...], defaults: JobDefaults) -> J
     for taint in taints:
         if not re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?", taint):
             problems.append((RECLAIM_TAINTS, f"not a taint key: {taint!r}"))
+    spare_nodes = 0
+    if SPARE_NODES in annotations:
+        raw = annotations[SPARE_NODES]
+        try:
+            spare_nodes = int(raw.strip())
+        except ValueError:
+            problems.append((SPARE_NODES, f"not a whole number: {raw!r}"))
+        else:
+            if spare_nodes < 0:
+                problems.append((SPARE_NODES, f"must be at least 0, got {spare_nodes}"))
     if problems:
         return tuple(problems)
     assert min_nodes is not None and max_nodes is not None
@@ -183,6 +200,7 @@ def _parse_items(items: tuple[tuple[str, str], ...], defaults: JobDefaults) -> J
         storm_restarts=storm_restarts,
         storm_window=storm_window,
         reclaim_taints=taints,
+        spare_nodes=spare_nodes,
     )
 
 

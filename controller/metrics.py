@@ -35,6 +35,18 @@ class ControllerMetrics:
         self.min_nodes = Gauge("regroup_job_min_nodes", "The job's min-nodes.", ["namespace", "job"], registry=r)
         self.max_nodes = Gauge("regroup_job_max_nodes", "The job's max-nodes.", ["namespace", "job"], registry=r)
         self.stalled = Gauge("regroup_job_stalled", "1 while the job is below its min-nodes.", ["namespace", "job"], registry=r)
+        self.spare_nodes = Gauge(
+            "regroup_spare_nodes", "Members waiting to join while the job trains at its max-nodes: the next loss or "
+            "reclaim is answered with one of them.", ["namespace", "job"], registry=r,
+        )
+        self.spare_nodes_wanted = Gauge(
+            "regroup_spare_nodes_wanted", "The job's regroup.dev/spare-nodes.", ["namespace", "job"], registry=r
+        )
+        self.replacements = Counter(
+            "regroup_node_replacements", "Nodes whose position a waiting node took in completed re-forms, by strategy: "
+            "replace (after a loss) or migrate (ahead of a reclaim, handed over at the agreed step).",
+            ["namespace", "job", "strategy"], registry=r,
+        )
         self.lost_steps = Counter(
             "regroup_lost_steps", "Training steps redone after re-forms.", ["namespace", "job", "cause"], registry=r
         )
@@ -71,7 +83,7 @@ class ControllerMetrics:
         """Drop a removed job's series labelled by namespace and job alone (its gauges and
         rendezvous rounds; the reconciler drops the ones with more labels it made)."""
         for metric in (self.job_nodes, self.min_nodes, self.max_nodes, self.stalled, self.flapping,
-                       self.rendezvous_on_gpu, self.bad_config, self.rounds):
+                       self.rendezvous_on_gpu, self.bad_config, self.rounds, self.spare_nodes, self.spare_nodes_wanted):
             try:
                 metric.remove(namespace, job)
             except KeyError:

@@ -49,7 +49,7 @@ from regroup.controller.snapshot import (
 )
 from regroup.controller.tracing import emit_reform_trace, phase_times, reform_end
 from regroup.keys import JobKeys, KeyKind
-from regroup.records import Record, ReformCause, ReformOutcome, ReformPhase, ReformPlan
+from regroup.records import Record, ReformCause, ReformOutcome, ReformPhase, ReformPlan, ReformStrategy
 
 log = structlog.get_logger("regroup.controller")
 
@@ -65,7 +65,7 @@ RECORD_WRITES: dict[type[Action], tuple[KeyKind, str, bool]] = {
 holding the record, whether the write is bound to the controller's lease)."""
 
 
-_NO_GAUGES = (None,) * 7
+_NO_GAUGES = (None,) * 9
 """What a job's gauges held before its first decision (every value is set then)."""
 
 
@@ -298,7 +298,7 @@ class Reconciler:
         and the caches beside them."""
         self.metrics.forget_job(*job)
         m = self.metrics
-        per_job = (m.reform_duration, m.reforms, m.abandoned, m.lost_steps)
+        per_job = (m.reform_duration, m.reforms, m.abandoned, m.lost_steps, m.replacements)
         for key in [k for k in self._children if k[0] in per_job and k[1][:2] == job]:
             metric, labels = key
             del self._children[key]
@@ -319,7 +319,8 @@ class Reconciler:
         plan = action.plan
         if log.is_enabled_for(logging.INFO):
             log.info("re-form " + plan.phase.value, namespace=job[0], job=job[1], generation=plan.generation,
-                     cause=plan.cause.value, planned=plan.planned, nodes=plan.nodes_after, trace_id=plan.trace_id)
+                     cause=plan.cause.value, planned=plan.planned, strategy=plan.strategy, nodes=plan.nodes_after,
+                     trace_id=plan.trace_id)
         if action.finished:
             self._finished(job, plan)
 
@@ -331,6 +332,8 @@ class Reconciler:
             child(m.reform_duration, job[0], job[1], cause, planned, plan.mode or "unknown").observe(max(0.0, reform_end(plan) - plan.detected_at))
             if plan.lost_steps > 0:
                 child(m.lost_steps, job[0], job[1], cause).inc(plan.lost_steps)
+            if plan.replaced and plan.strategy != ReformStrategy.ELASTIC:
+                child(m.replacements, job[0], job[1], plan.strategy).inc(len(plan.replaced))
         child(m.reforms, job[0], job[1], cause, planned).inc()
         if plan.outcome != ReformOutcome.COMPLETED:
             phase = _abandoned_in(plan).value
@@ -375,7 +378,7 @@ class Reconciler:
     def _export_gauges(self, job: JobId, decision: Decision) -> None:
         a = decision.alerts
         values = (decision.node_count, decision.min_nodes, decision.max_nodes, a.stalled, a.bad_config, a.flapping,
-                  a.rendezvous_on_gpu)
+                  a.rendezvous_on_gpu, decision.spare_count, decision.spares_wanted)
         before = self._gauges.get(job)
         if before != values:
             # Label lookups cost more than the decision itself, and each set takes a lock:
@@ -387,7 +390,7 @@ class Reconciler:
                 children = self._gauge_children[job] = tuple(
                     g.labels(*job)
                     for g in (m.job_nodes, m.min_nodes, m.max_nodes, m.stalled, m.bad_config, m.flapping,
-                              m.rendezvous_on_gpu)
+                              m.rendezvous_on_gpu, m.spare_nodes, m.spare_nodes_wanted)
                 )
             for child, was, value in zip(children, before or _NO_GAUGES, values, strict=True):
                 if was != value:

@@ -1,13 +1,18 @@
-"""One line per finished re-form, for people: the ``Resized`` Event and ``regroup status``.
+"""One line per finished re-form, for people: its Event and ``regroup status``.
 
-``4 → 3 nodes: reclaim of n3, 0 steps lost, 1.2 s``: node counts before and after, the
-cause with the nodes that left or joined, the steps lost, and the time from the first
-evidence of the signal to the trainers' first step at the new size.
+``4 → 3 nodes: reclaim of n3, 0 steps lost, 1.2 s`` (``Resized``): node counts before and
+after, the cause with the nodes that left or joined, the steps lost, and the time from the
+first evidence of the signal to the trainers' first step at the new size. A re-form in
+which waiting nodes took every leaving node's position changed no size, and says who took
+whose place instead: ``n3 replaced by n5 at step 812, 0 steps lost, 0.9 s``
+(``NodeReplaced``), ``n2 migrated to n5 at step 812, 0 steps lost, 0.8 s`` (``NodeMigrated``).
 """
 
 from __future__ import annotations
 
-from regroup.records import ReformCause, ReformOutcome, ReformPlan
+from collections.abc import Mapping
+
+from regroup.records import ReformCause, ReformOutcome, ReformPlan, ReformStrategy
 
 _CAUSES = {
     ReformCause.RECLAIM: "reclaim of",
@@ -44,9 +49,39 @@ def resize_message(plan: ReformPlan) -> str:
         cause = f"{what} {', '.join(main)}" if main else plan.cause.value
         if other:
             cause += f" ({', '.join(other)} {'left' if grow else 'joined'})"
+    return f"{len(before)} → {len(after)} nodes: {cause}, {_tail(plan)}"
+
+
+_SWAPS: dict[str, tuple[str, str]] = {
+    ReformStrategy.REPLACE: ("NodeReplaced", "replaced by"),
+    ReformStrategy.MIGRATE: ("NodeMigrated", "migrated to"),
+}
+"""The Event reason of a completed re-form of each strategy that keeps the world's size,
+and how its message says who took whose place."""
+
+
+def completion_event(plan: ReformPlan) -> tuple[str, str]:
+    """(reason, message) of the Normal Event that tells the completed ``plan``:
+    ``NodeReplaced`` or ``NodeMigrated`` when waiting nodes took the leaving nodes'
+    positions, ``Resized`` otherwise."""
+    swap = _SWAPS.get(plan.strategy) if plan.replaced else None
+    if swap is None:
+        return "Resized", resize_message(plan)
+    reason, verb = swap
+    moves = ", ".join(f"{old} {verb} {new}" for old, new in sorted(plan.replaced.items()))
+    return reason, f"{moves} at step {plan.resumed_from_step}, {_tail(plan)}"
+
+
+def replaced_text(replaced: Mapping[str, str]) -> str:
+    """``n3->n5,n4->n6``: who took whose position (the span attribute ``regroup.replaced``)."""
+    return ",".join(f"{old}->{new}" for old, new in sorted(replaced.items()))
+
+
+def _tail(plan: ReformPlan) -> str:
+    """``0 steps lost, 1.2 s`` and, for a planned re-form that fell back, why."""
     if plan.lost_steps < 0:
         lost = "steps lost unknown"
     else:
         lost = f"{plan.lost_steps} step{'' if plan.lost_steps == 1 else 's'} lost"
     fallback = f", unplanned: {plan.fallback}" if plan.fallback else ""
-    return f"{len(before)} → {len(after)} nodes: {cause}, {lost}, {reform_seconds(plan):.1f} s{fallback}"
+    return f"{lost}, {reform_seconds(plan):.1f} s{fallback}"

@@ -28,6 +28,8 @@ class JobRound:
         """``rdzv/state``'s last formed round, when the rendezvous has written one."""
         self.agents: dict[str, float] = {}
         """Node -> ``joined_at`` of the agent in the formed round (from ``rdzv/state``)."""
+        self.order: tuple[str, ...] = ()
+        """The formed round's nodes in rank order (``rdzv/state``); empty without that record."""
         self.formed_at = 0.0
         """When the rendezvous says the formed round formed (``rdzv/state`` ``formed_at``); 0: not known."""
         self.closed = False
@@ -46,6 +48,7 @@ class JobRound:
         if formed < 1 or formed == self.formed_round:
             return False, False
         self.agents = record.joined_at()
+        self.order = tuple(record.nodes)
         self.formed_at = record.formed_at
         if self.world_round is not None and formed > self.world_round:
             self._advance(now)

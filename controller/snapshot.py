@@ -71,6 +71,10 @@ class JobSnapshot:
     """The rendezvous is closed: the job ended (its agents shut down after training)."""
     world_seen: AbstractSet[str]
     """Nodes seen as members of ``world_round``, including ones whose member has vanished since."""
+    world_order: Sequence[str]
+    """The nodes of ``world_round`` in rank order, as the rendezvous' round record lists them
+    (empty when it has written none, or its record is of an older round): a re-form keeps
+    each surviving node in its position, and a replacement takes the position it fills."""
     world_agents: Mapping[str, float]
     """Node -> ``joined_at`` of the agent the rendezvous' round record names there (empty when
     the rendezvous has written none): a member with another ``joined_at`` is a restarted agent."""
@@ -284,3 +288,7 @@ class Decision(NamedTuple):
     min_nodes: int = 0
     max_nodes: int = 0
     alerts: Alerts = Alerts()
+    spare_count: int = 0
+    """Spare nodes: members waiting to join while the job trains at max."""
+    spares_wanted: int = 0
+    """Spare nodes the job asks for (``regroup.dev/spare-nodes``)."""

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from regroup.controller.reform_summary import reform_seconds, resize_message
+from regroup.controller.reform_summary import completion_event, reform_seconds
 from regroup.controller.tracing import phase_times
 from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
 from regroup.keys import JobKeys
@@ -62,16 +62,20 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
             elif rest == "control/plan":
                 plan = ReformPlan.from_json(kv.value)
                 done = plan.phase == ReformPhase.DONE
+                completed = done and plan.outcome == ReformOutcome.COMPLETED
+                event, summary = completion_event(plan) if completed else ("", "")
                 report["last_reform"] = {
                     "generation": plan.generation, "cause": plan.cause.value, "planned": plan.planned,
+                    "strategy": plan.strategy, "replaced": dict(plan.replaced),
                     "phase": plan.phase.value, "outcome": plan.outcome.value, "reason": plan.reason,
                     "fallback": plan.fallback, "why": plan.why,
                     "node_count_before": len(plan.nodes_before), "node_count_after": len(plan.nodes_after),
                     "lost_steps": plan.lost_steps, "trace_id": plan.trace_id,
                     "duration_s": round(reform_seconds(plan), 3) if done else None,
-                    # The message of the re-form's Resized Event: etcd keeps only the last re-form;
-                    # earlier ones are in the Events (kubectl get events --field-selector reason=Resized).
-                    "summary": resize_message(plan) if done and plan.outcome == ReformOutcome.COMPLETED else "",
+                    # The re-form's Event (Resized, NodeReplaced or NodeMigrated): etcd keeps only the
+                    # last re-form; earlier ones are in the Events (kubectl get events --field-selector
+                    # reason=Resized, and the same for the other two).
+                    "event": event, "summary": summary,
                     "phases_s": {k: round(max(0.0, e - s), 3) for k, (s, e) in phase_times(plan).items()}
                     if done else {},
                 }
@@ -81,6 +85,9 @@ async def job_status(keys: JobKeys, etcd: EtcdSettings) -> dict[str, Any]:
     status = report.get("status") or {}
     report["state"] = status.get("state", "unknown (no controller verdict)")
     report["node_count"] = status.get("node_count", len(members))
+    report["active_nodes"] = report["node_count"]
+    report["spare_nodes"] = status.get("spare_count", 0)
+    report["spares_wanted"] = status.get("spares_wanted", 0)
     return report
 
 
@@ -90,6 +97,11 @@ def render(report: dict[str, Any]) -> str:
     if status:
         lines.append(f"  world: {status['node_count']} nodes (min {status['min_nodes']}, max {status['max_nodes']})"
                      f" - {status['reason']}")
+        spares, wanted = status.get("spare_count", 0), status.get("spares_wanted", 0)
+        if spares or wanted:
+            names = f": {', '.join(status.get('spares', []))}" if spares else ""
+            short = "  - below wanted: the next loss shrinks the job" if spares < wanted else ""
+            lines.append(f"  spares: {spares} (wanted {wanted}){names}{short}")
         if status.get("alerts"):
             lines.append(f"  alerts: {', '.join(status['alerts'])}")
     lines.append(f"  members ({len(report['members'])}):")
@@ -103,14 +115,17 @@ def render(report: dict[str, Any]) -> str:
                      f" resumed from step {progress['resumed_from_step']}")
     last = report.get("last_reform")
     if last:
+        how = "planned" if last["planned"] else "unplanned"
+        if last.get("strategy", "elastic") != "elastic":
+            how += f", {last['strategy']}"
         head = (f"  last re-form: #{last['generation']} {last['cause']} "
-                f"({'planned' if last['planned'] else 'unplanned'}) {last['node_count_before']} -> "
+                f"({how}) {last['node_count_before']} -> "
                 f"{last['node_count_after']} nodes, {last['phase']}")
         if last["phase"] == ReformPhase.DONE:
             head += f", {last['outcome']} in {last['duration_s']}s, lost steps {last['lost_steps']}"
         lines.append(head)
         if last.get("summary"):
-            lines.append(f"    Resized: {last['summary']}")
+            lines.append(f"    {last['event']}: {last['summary']}")
         for phase, seconds in last["phases_s"].items():
             lines.append(f"    {phase:<11} {seconds:8.3f}s")
         if last["fallback"]:

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
-from regroup.controller.reform_summary import reform_end
+from regroup.controller.reform_summary import reform_end, replaced_text
 from regroup.controller.trace_ids import span_id
 from regroup.records import DETECT_PHASE, Progress, ReformOutcome, ReformPhase, ReformPlan
 
@@ -101,7 +101,10 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
         "regroup.generation": plan.generation,
         "regroup.outcome": plan.outcome.value,
         "regroup.reason": plan.reason,
+        "regroup.strategy": plan.strategy,
     }
+    if plan.replaced:
+        attributes["regroup.replaced"] = replaced_text(plan.replaced)
     if plan.fallback:
         attributes["regroup.fallback"] = plan.fallback
     if plan.why:

@@ -41,6 +41,20 @@ class ReformCause(enum.StrEnum):
     MANUAL = "manual"
 
 
+class ReformStrategy(enum.StrEnum):
+    """How a re-form answers its cause (``ReformPlan.strategy``, the span attribute
+    ``regroup.strategy``); stored as the plain value, and kept a plain string on the plan so a
+    reader keeps a strategy it does not know (one from a newer controller)."""
+
+    ELASTIC = "elastic"
+    """The world size changes (a shrink, a grow, a loss no waiting node could fill)."""
+    REPLACE = "replace"
+    """An unplanned loss answered by waiting nodes taking every lost position: same size."""
+    MIGRATE = "migrate"
+    """A planned reclaim answered likewise: the leaving node hands its shards over at the
+    agreed step, and no step is lost."""
+
+
 class ReformOutcome(enum.StrEnum):
     """How a re-form ended (``ReformPlan.outcome``)."""
 
@@ -337,6 +351,13 @@ class ReformPlan(Record):
     """``progress.reform_mode`` of the world the trainer resumed in ("" unknown)."""
     resume_phases: dict[str, float] = field(default_factory=dict)
     """``progress.resume_phases`` of that world: where the resume phase's time went."""
+    strategy: str = ReformStrategy.ELASTIC.value
+    """A ``ReformStrategy`` value: ``replace`` or ``migrate`` when waiting nodes take every
+    vacated position and the world keeps its size, else ``elastic`` (a record written before
+    strategies were recorded reads as ``elastic``)."""
+    replaced: dict[str, str] = field(default_factory=dict)
+    """Leaving or lost node -> the waiting node that takes its position in ``nodes_after``
+    (its ranks and mesh coordinates)."""
 
     def __post_init__(self) -> None:
         # JSON (and older callers) hand in plain strings; an unknown one raises ValueError,
@@ -372,7 +393,7 @@ class JobStatus(Record):
     """healthy, reforming, waiting, stalled, bad-config or finished (the rendezvous is closed)."""
     reason: str
     node_count: int
-    """Nodes in the job's current round."""
+    """Nodes in the job's current round (its active nodes), lost ones left out."""
     min_nodes: int = 0
     max_nodes: int = 0
     nodes: list[str] = field(default_factory=list)
@@ -384,6 +405,13 @@ class JobStatus(Record):
     vacant_since: float = 0.0
     """Unix time since which the job has had no pod and no registered member (0: it has one,
     or the controller has not listed the pods yet): the retention of a job whose pods went."""
+    spare_count: int = 0
+    """Spare nodes: live members waiting to join (healthy, not excluded, not on probation)
+    while the job trains at its max; the next loss or reclaim is answered with one of them."""
+    spares: list[str] = field(default_factory=list)
+    """The spare nodes, the one that replaces the next leaving node first."""
+    spares_wanted: int = 0
+    """How many spares the job asks for (``regroup.dev/spare-nodes``)."""
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,22 @@ from regroup.controller.decide.health import assess, keep_exclusions, restart_st
 from regroup.controller.decide.job_status import write_status
 from regroup.controller.decide.out import Out, summarize
 from regroup.controller.decide.phases import advance
+from regroup.controller.decide.positions import spares_of
 from regroup.controller.decide.situation import Situation
 from regroup.controller.decide.start import start
 from regroup.controller.decide.writes import finish, withdraw_stale_checkpoint
 from regroup.controller.disruption import pod_notices
 from regroup.controller.jobconfig import ConfigProblem, JobConfig, ResolvedConfig
 from regroup.controller.settings import ControllerSettings
-from regroup.controller.snapshot import AFTER_PREVIOUS_PLAN, Alerts, Decision, JobSnapshot, PostEvent, WritePresence
+from regroup.controller.snapshot import (
+    AFTER_PREVIOUS_PLAN,
+    Alerts,
+    Decision,
+    JobSnapshot,
+    PostEvent,
+    WritePlan,
+    WritePresence,
+)
 from regroup.records import ControllerPresence, ReformOutcome, ReformPhase
 
 __all__ = ["Decision", "decide", "summarize"]
@@ -120,5 +129,18 @@ def _running(
     reforming = (in_flight and not out.abandoned) or out.started()
     state = "stalled" if stalled else ("reforming" if reforming else "healthy")
     live = world - health.lost.keys() if health.lost else world
-    write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu)
-    return out.decision(reason, len(live), config, Alerts(stalled=stalled, flapping=flaps, rendezvous_on_gpu=gpu))
+    spares = spares_of(joiners, len(live), config.max_nodes, _targets(s, out))
+    write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu, spares=spares)
+    alerts = Alerts(stalled=stalled, flapping=flaps, rendezvous_on_gpu=gpu)
+    return out.decision(reason, len(live), config, alerts, len(spares), config.spare_nodes)
+
+
+def _targets(s: JobSnapshot, out: Out) -> AbstractSet[str]:
+    """The nodes of the re-form in flight once this decision is applied (none when none is)."""
+    for action in reversed(out.actions):
+        if type(action) is WritePlan:
+            return frozenset() if action.finished else frozenset(action.plan.nodes_after)
+    plan = s.plan
+    if plan is not None and plan.phase != ReformPhase.DONE:
+        return frozenset(plan.nodes_after)
+    return frozenset()

@@ -32,8 +32,11 @@ class Out:
         """Whether this decision starts a re-form (writes a plan that is not an ended one)."""
         return any(isinstance(a, WritePlan) and not a.finished for a in self.actions)
 
-    def decision(self, reason: str, node_count: int, config: JobConfig | None, alerts: Alerts) -> Decision:
-        """The collected actions as the ``Decision`` for the job."""
+    def decision(
+        self, reason: str, node_count: int, config: JobConfig | None, alerts: Alerts, spare_count: int = 0,
+        spares_wanted: int = 0,
+    ) -> Decision:
+        """The collected actions as the ``Decision`` for the job (spares only for a running one)."""
         # timedelta(0, seconds): positional, no keyword parsing once per decision.
         requeue = timedelta(0, min(self.requeue)) if self.requeue else None
         return Decision(
@@ -44,6 +47,8 @@ class Out:
             min_nodes=config.min_nodes if config else 0,
             max_nodes=config.max_nodes if config else 0,
             alerts=alerts,
+            spare_count=spare_count,
+            spares_wanted=spares_wanted,
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from regroup.controller.decide.positions import narrowed
 from regroup.controller.decide.situation import Situation
 from regroup.controller.decide.writes import checkpoint_request, finish, reform_writes, request_reform
 from regroup.controller.signals import signal_key
@@ -60,13 +61,14 @@ def _checkpoint(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> st
     if len(nodes) < sit.config.min_nodes:
         why = f"only {len(nodes)} target nodes left, below min {sit.config.min_nodes}"
         return finish(s, plan, now, ReformOutcome.SUPERSEDED, out, why)
+    # A replacement lost meanwhile fills nothing; a migrate without the ack is a replace.
     updated = evolve(
         plan,
         acked_at=acked_at,
         ack_step=ack.step if ack is not None else -1,
         planned=ack is not None,
         fallback=fallback,
-        nodes_after=nodes,
+        **narrowed(plan, nodes, ack is not None),
     )
     updated = request_reform(s, updated, now)
     out.actions.append(WritePlan(updated, s.plan_revision))

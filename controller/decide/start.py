@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, NamedTuple
 
 from regroup.controller.cluster import PodInfo
 from regroup.controller.decide.health import joiner_seen
 from regroup.controller.decide.out import Out
+from regroup.controller.decide.positions import fill_positions, round_order, strategy_of
 from regroup.controller.decide.situation import Situation
 from regroup.controller.decide.writes import checkpoint_request, reform_request_fields, reform_writes
 from regroup.controller.signals import ReclaimNotice
 from regroup.controller.snapshot import JobSnapshot, PostEvent, WriteCheckpointRequest, WritePlan
 from regroup.controller.trace_ids import new_trace_id
-from regroup.records import ReformCause, ReformPhase, ReformPlan
+from regroup.records import ReformCause, ReformPhase, ReformPlan, ReformStrategy
 
 
 def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: PodInfo | None) -> tuple[str, bool]:
@@ -25,13 +26,14 @@ def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     leaving = {n: notice for n, notice in health.notices.items() if n in world}
     if lost or leaving:
         before = sorted(world)
-        # The round less the lost and leaving nodes, in name order: set difference and a
-        # sort run in C, where a filter over the round ran its 50 names through Python.
-        survivors = sorted(world - lost.keys() - leaving.keys())
-        target = _clamp(survivors, joiners, config.max_nodes)
+        # Replace before shrinking: waiting nodes take the lost and leaving nodes' positions
+        # in the round's rank order, every survivor keeps its own.
+        vacated = lost.keys() | leaving.keys()
+        target, replaced = fill_positions(round_order(sit.s, world), vacated, joiners, config.max_nodes)
+        swap = Swap(vacated, replaced)
         if lost:
-            return _replace_lost(sit, before, target, lost, newest)
-        return _shrink_for_reclaim(sit, before, target, leaving, newest)
+            return _replace_lost(sit, before, target, lost, newest, swap)
+        return _shrink_for_reclaim(sit, before, target, leaving, newest, swap)
     if len(world) > config.max_nodes:
         return _shrink_to_max(sit, sorted(world))
     live = len(world)
@@ -44,18 +46,28 @@ def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     return f"steady at {live} nodes", False
 
 
+class Swap(NamedTuple):
+    """The positions a loss or a reclaim vacates, and the waiting nodes that fill them."""
+
+    vacated: AbstractSet[str]
+    replaced: dict[str, str]
+    """Vacated node -> the waiting node in its position."""
+
+
 def _replace_lost(
-    sit: Situation, before: list[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None
+    sit: Situation, before: list[str], target: list[str], lost: Mapping[str, str], newest: PodInfo | None, swap: Swap
 ) -> tuple[str, bool]:
-    """Unplanned: the lost nodes' ranks are gone already, so re-form at once without them."""
+    """Unplanned: the lost nodes' ranks are gone already, so re-form at once without them
+    (waiting nodes in their positions)."""
     storm_only = all(n in sit.health.storm for n in lost)
     cause = ReformCause.RESTART_STORM if storm_only else ReformCause.NODE_LOST
     what = ", ".join(f"{n} ({r})" for n, r in sorted(lost.items()))
     if len(target) < sit.config.min_nodes:
         return _stall(sit.s, sit.out, newest, f"lost {what}: {len(target)} nodes left, below min {sit.config.min_nodes}")
     detected = min(sit.health.lost_since[n] for n in lost)
-    _begin(sit, cause, False, f"lost {what}", before, target, detected)
-    return f"unplanned re-form ({cause.value}): lost {what}", False
+    strategy = _begin(sit, cause, False, f"lost {what}", before, target, detected, swap=swap)
+    how = cause.value if strategy == ReformStrategy.ELASTIC else f"{cause.value}, {strategy.value}"
+    return f"unplanned re-form ({how}): lost {what}{_by(swap)}", False
 
 
 def _shrink_for_reclaim(
@@ -64,9 +76,10 @@ def _shrink_for_reclaim(
     target: list[str],
     leaving: Mapping[str, ReclaimNotice],
     newest: PodInfo | None,
+    swap: Swap,
 ) -> tuple[str, bool]:
     """Planned when the checkpoint fits inside every notice (less the margin) and the trainer
-    has reported; else unplanned at once."""
+    has reported; else unplanned at once. Waiting nodes take the leaving nodes' positions."""
     s, now, config = sit.s, sit.now, sit.config
     what = ", ".join(f"{n} ({notice.signal}, {notice.source})" for n, notice in sorted(leaving.items()))
     if len(target) < config.min_nodes:
@@ -79,8 +92,10 @@ def _shrink_for_reclaim(
             # A short notice (a 5 s grace) keeps half of itself for the re-form, not the margin.
             deadline = min(deadline, notice.ends_at - min(margin, (notice.ends_at - notice.since) / 2))
     planned = deadline > now and trainer_answers(s)
-    _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", before, target, detected, deadline)
-    return f"{'planned' if planned else 'unplanned'} shrink (reclaim): {what}", False
+    strategy = _begin(sit, ReformCause.RECLAIM, planned, f"reclaim notice on {what}", before, target, detected,
+                      deadline, swap)
+    kind = "shrink" if strategy == ReformStrategy.ELASTIC else strategy.value
+    return f"{'planned' if planned else 'unplanned'} {kind} (reclaim): {what}{_by(swap)}", False
 
 
 def _shrink_to_max(sit: Situation, before: list[str]) -> tuple[str, bool]:
@@ -105,7 +120,8 @@ def _grow(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
         sit.out.again_in(closes - now)
         return f"gathering {len(joiners)} joining nodes until the join window closes", live < config.min_nodes
     before = sorted(world)
-    target = _clamp(before, joiners, config.max_nodes)
+    # Joiners are appended: every node of the round keeps its position.
+    target = _clamp(round_order(s, world), joiners, config.max_nodes)
     if len(target) < config.min_nodes:
         return _stall(s, sit.out, newest, f"{len(target)} nodes available, below min {config.min_nodes}")
     added = ", ".join(target[live:])
@@ -133,9 +149,16 @@ def _stall(s: JobSnapshot, out: Out, newest: PodInfo | None, why: str) -> tuple[
 
 
 def _clamp(survivors: list[str], joiners: list[str], max_nodes: int) -> list[str]:
-    """The first ``max_nodes`` of ``survivors`` (sorted by name), then joiners up to the max."""
+    """The first ``max_nodes`` of ``survivors``, then joiners up to the max."""
     keep = survivors[:max_nodes]
     return keep + joiners[: max(0, max_nodes - len(keep))]
+
+
+def _by(swap: Swap) -> str:
+    """``; n5 takes n3's position`` for each replacement, for the decision's reason."""
+    if not swap.replaced:
+        return ""
+    return "; " + ", ".join(f"{new} takes {old}'s position" for old, new in sorted(swap.replaced.items()))
 
 
 def _next_generation(s: JobSnapshot) -> int:
@@ -156,10 +179,14 @@ def _begin(
     target: list[str],
     detected: float,
     deadline: float = 0.0,
-) -> None:
-    """Write the new plan and its first request: the checkpoint when planned, else the re-form."""
+    swap: Swap | None = None,
+) -> ReformStrategy:
+    """Write the new plan and its first request: the checkpoint when planned, else the re-form.
+    Returns the plan's strategy."""
     s, now, out = sit.s, sit.now, sit.out
     generation = _next_generation(s)
+    replaced = dict(swap.replaced) if swap is not None else {}
+    strategy = strategy_of(planned, before, target, swap.vacated if swap is not None else (), replaced)
     common: dict[str, Any] = {
         "generation": generation,
         "cause": cause,
@@ -171,6 +198,8 @@ def _begin(
         "detected_at": min(detected, now),
         "decided_at": now,
         "round_before": s.world_round,
+        "strategy": strategy.value,
+        "replaced": replaced,
     }
     if planned:
         plan = ReformPlan(**common, phase=ReformPhase.CHECKPOINT, checkpoint_requested_at=now,
@@ -184,3 +213,4 @@ def _begin(
         out.actions.append(WritePlan(plan, sit.plan_revision))
         reform_writes(plan, out)
         out.again_in(sit.settings.reform.rendezvous_timeout.total_seconds())
+    return strategy

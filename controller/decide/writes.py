@@ -13,7 +13,7 @@ from operator import attrgetter
 from typing import Any
 
 from regroup.controller.decide.out import Out
-from regroup.controller.reform_summary import resize_message
+from regroup.controller.reform_summary import completion_event
 from regroup.controller.snapshot import (
     AFTER_PREVIOUS_PLAN,
     JobSnapshot,
@@ -92,13 +92,16 @@ def reform_writes(plan: ReformPlan, out: Out, s: JobSnapshot | None = None) -> N
 
 def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome, out: Out, why: str) -> str:
     """End the plan. A completed one is told on each of the job's pods (a Normal Event
-    ``Resized``); one that did not complete is abandoned loudly (a Warning Event on each of
-    the job's pods; the trace and the metric carry ``why``), and the decision goes on to
-    start what the job needs now (``out.abandoned``)."""
+    ``Resized``, or ``NodeReplaced``/``NodeMigrated`` when waiting nodes took the leaving
+    nodes' positions: ``reform_summary.completion_event``); one that did not complete is
+    abandoned loudly (a Warning Event on each of the job's pods; the trace and the metric
+    carry ``why``), and the decision goes on to start what the job needs now
+    (``out.abandoned``)."""
     done = evolve(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
     if outcome == ReformOutcome.COMPLETED:
-        out.actions.append(PostPodEvents(s.pods, "Normal", "Resized", resize_message(done)))
+        reason, message = completion_event(done)
+        out.actions.append(PostPodEvents(s.pods, "Normal", reason, message))
     else:
         what = f"re-form {plan.generation} ({plan.cause.value}, phase {plan.phase.value})"
         out.actions.append(PostPodEvents(s.pods, "Warning", "ReformAbandoned", f"{what} abandoned, {outcome.value}: {why}"))

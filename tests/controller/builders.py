@@ -128,10 +128,12 @@ class Scene:
         return scene
 
     def round_formed(self, number: int, nodes: Iterable[str], agents: Mapping[str, float] | None = None,
-                     closed: bool = False, at: float | None = None, formed_at: float = 0.0) -> Scene:
+                     closed: bool = False, at: float | None = None, formed_at: float = 0.0,
+                     in_order: bool = False) -> Scene:
         """The rendezvous wrote ``rdzv/state``: round ``number`` formed with ``nodes`` (at
-        ``formed_at`` by its own clock), seen at ``at``."""
-        nodes = sorted(nodes)
+        ``formed_at`` by its own clock), seen at ``at``; ``in_order``: ``nodes`` is the
+        round's rank order (else the record lists them by name)."""
+        nodes = list(nodes) if in_order else sorted(nodes)
         agents = {n: 0.0 for n in nodes} if agents is None else agents
         record = RoundState(min_nodes=1, max_nodes=len(nodes) or 1, round=number, nodes=nodes,
                             agents=[f"{n}@{t!r}" for n, t in agents.items()], closed=closed, formed_at=formed_at)

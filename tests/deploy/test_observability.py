@@ -19,12 +19,12 @@ HISTOGRAMS = {"regroup_reform_duration_seconds", "regroup_reform_phase_duration_
 COUNTERS = {
     "regroup_reforms_total", "regroup_lost_steps_total", "regroup_cordons_total",
     "regroup_rendezvous_rounds_total", "regroup_watch_restarts_total", "regroup_reforms_abandoned_total",
-    "regroup_events_dropped_total", "regroup_jobs_removed_total",
+    "regroup_events_dropped_total", "regroup_jobs_removed_total", "regroup_node_replacements_total",
 }
 GAUGES = {
     "regroup_job_nodes", "regroup_job_min_nodes", "regroup_job_max_nodes", "regroup_job_stalled",
     "regroup_cordoned_nodes", "regroup_rendezvous_flapping", "regroup_rendezvous_pod_on_gpu_node",
-    "regroup_bad_config", "regroup_leader", "regroup_jobs_tracked",
+    "regroup_bad_config", "regroup_leader", "regroup_jobs_tracked", "regroup_spare_nodes", "regroup_spare_nodes_wanted",
 }
 EXPORTED_SERIES = (
     GAUGES | COUNTERS | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
@@ -53,6 +53,9 @@ LABELS: dict[str, tuple[str, ...]] = {
     "regroup_leader": (),
     "regroup_jobs_tracked": (),
     "regroup_jobs_removed": ("reason",),
+    "regroup_spare_nodes": ("namespace", "job"),
+    "regroup_spare_nodes_wanted": ("namespace", "job"),
+    "regroup_node_replacements": ("namespace", "job", "strategy"),
 }
 
 # The dashboard and the etcd alerts also read etcd's own metrics and the standard process

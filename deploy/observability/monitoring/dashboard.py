@@ -266,6 +266,25 @@ def jobs() -> list[Stat | Timeseries]:
               "rounds {{namespace}}/{{job}}"),
              (f"max by (namespace, job) (regroup_rendezvous_flapping{{{JOBS}}})", "flapping {{namespace}}/{{job}}")],
         ),
+        timeseries(
+            "Active and spare nodes per job",
+            "Active: nodes training in the current round. Spare: nodes waiting to join while the job trains at its "
+            "max, each ready to take a lost or leaving node's place at the same size; wanted: regroup.dev/spare-nodes. "
+            "With no spare left, the next loss shrinks the job.",
+            "short",
+            [(f"max by (namespace, job) (regroup_job_nodes{{{JOBS}}})", "active {{namespace}}/{{job}}"),
+             (f"max by (namespace, job) (regroup_spare_nodes{{{JOBS}}})", "spare {{namespace}}/{{job}}"),
+             (f"max by (namespace, job) (regroup_spare_nodes_wanted{{{JOBS}}})", "spares wanted {{namespace}}/{{job}}")],
+        ),
+        timeseries(
+            "Node replacements by strategy",
+            "Nodes whose position a spare took per interval: replace after a loss, migrate ahead of a reclaim (the "
+            "leaving node handed its shards over at the agreed step).",
+            "short",
+            [(f"sum by (namespace, job, strategy) (increase(regroup_node_replacements_total{{{JOBS}}}[$__rate_interval]))",
+              "{{namespace}}/{{job}} {{strategy}}")],
+            bars=True,
+        ),
     ]  # fmt: skip
 
 
@@ -381,8 +400,8 @@ def build() -> dashboard.Dashboard:
     """The dashboard model: each section an open row with its panels after it, numbered in reading order."""
     builder = (
         Dashboard("regroup: elastic training re-forms").uid(UID)
-        .description("Re-form latency by cause and phase, nodes per job, lost steps, cordoned nodes, stalled jobs, "
-                     "the controller and etcd.")
+        .description("Re-form latency by cause and phase, nodes per job, spare nodes, lost steps, cordoned nodes, "
+                     "stalled jobs, the controller and etcd.")
         .tags(["regroup", "training"]).timezone("utc").editable().tooltip(dashboard.DashboardCursorSync.CROSSHAIR)
         .refresh("30s").time("now-6h", "now")
         .variables(variables())
