@@ -1,6 +1,11 @@
 """Growing the world in memory: survivors of a re-form keep their FSDP2 shards and send
 them over the new process group, newcomers receive theirs; no checkpoint is read.
 
+When the new world has the old one's size (a spare took a lost or leaving node's
+position), new rank r's shards are exactly old rank r's: ranks that hold their own keep
+them, and only the replaced positions receive theirs, point to point from one holder.
+Any other change of size re-cuts every tensor from all-gathers.
+
 The state is the one DCP checkpoints hold (``get_state_dict``: FQN keys, the optimizer's
 state keyed by FQN), flattened into sorted string keys that every rank derives alike, so
 a newcomer's fresh model and optimizer give the same keys as a survivor's held state.
@@ -153,12 +158,35 @@ def can_redistribute(infos: list[Info | list[Info] | None]) -> bool:
     return isinstance(choose(infos), Choice)
 
 
+@dataclass(frozen=True)
+class Moved:
+    """What one rank's latest ``redistribute`` moved, for the log event of its resume."""
+
+    layout: str
+    """``same``: the new world has the old one's size, so new rank r's shards are old rank
+    r's; ``changed``: another size, every tensor re-cut."""
+    received_bytes: int
+    """Shard bytes this rank received from other ranks (the small entries not counted)."""
+    sent_bytes: int
+    """Shard bytes of this rank that reached other ranks."""
+
+
+_last_moved: Moved | None = None
+
+
+def last_moved() -> Moved | None:
+    """What this process's latest ``redistribute`` moved; None before the first one."""
+    return _last_moved
+
+
 def redistribute(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     held: HeldState | list[HeldState] | None,
     group: dist.ProcessGroup,
     not_before: int = 0,
+    *,
+    regather: bool = False,
 ) -> int:
     """Collective over the new world (every rank calls it; newcomers pass ``held=None``).
     Fills the freshly built model and optimizer (FSDP2 on the new mesh, optimizer without
@@ -167,7 +195,12 @@ def redistribute(
     snapshots and its buddies' copies): the newest step held whole is taken (``choose``).
     Raises ValueError on every rank, with the same message, when the survivors cannot
     rebuild the old state, or only at a step older than ``not_before`` (the newest committed
-    checkpoint, which is then the better place to resume from)."""
+    checkpoint, which is then the better place to resume from).
+
+    At the old world's size only the ranks that do not hold their own old shards receive
+    them (point to point); ``regather`` takes the all-gather path even then, to compare
+    the two. ``last_moved`` says afterwards what this rank received and sent."""
+    global _last_moved
     states = [] if held is None else (list(held) if isinstance(held, list) else [held])
     target = flat_state(model, optimizer)
     fresh = split_state(target)
@@ -196,12 +229,20 @@ def redistribute(
     old_size, step = choice.old_world_size, choice.step
     me = dist.get_rank(group)
     mine = [states[j] for j in choice.mine(me)]
-    slots = max(len(choice.mine(rank)) for rank in range(len(infos)))
-    # Old rank -> its slot in the gathered buffer: holding new rank, position in what it sends.
-    order = [holder * slots + position for holder, position in map(choice.slot, range(old_size))]
+    # Every rank decides from the gathered message alone, so all take the same path.
+    same = old_size == len(infos)
     with torch.no_grad():
-        for bucket in _buckets(fresh, old_size, slots):
-            _regather_bucket(bucket, fresh, mine, slots, old_size, order, group)
+        if same and not regather:
+            received, sent = _fill_in_place(fresh, states, _in_place_sources(choice, infos), group)
+        else:
+            received = sent = 0
+            slots = max(len(choice.mine(rank)) for rank in range(len(infos)))
+            # Old rank -> its slot in the gathered buffer: holding new rank, position in what it sends.
+            order = [holder * slots + position for holder, position in map(choice.slot, range(old_size))]
+            for bucket in _buckets(fresh, old_size, slots):
+                contributed = _regather_bucket(bucket, fresh, mine, slots, old_size, order, group)
+                received += (len(infos) - 1) * contributed
+                sent += (len(infos) - 1) * contributed
         # Small entries (AdamW's step, param-group settings) come whole from old rank 0.
         payload: list[Any] = [None]
         first = next((h for h in mine if h.old_rank == 0), None)
@@ -218,6 +259,7 @@ def redistribute(
         optim_state_dict={k[len(_OPTIM) :]: v for k, v in target.items() if k.startswith(_OPTIM)},
         options=_OPTIONS,
     )
+    _last_moved = Moved("same" if same else "changed", received, sent)
     return step
 
 
@@ -230,7 +272,8 @@ def _stale_mesh(fresh: HeldState, group: dist.ProcessGroup) -> bool:
 
 
 BUCKET_BYTES = 64 << 20
-"""Upper bound on one rank's contribution to one all-gather (its padded old chunks)."""
+"""Upper bound on one rank's contribution to one all-gather (its padded old chunks), and
+on one point-to-point message of shards."""
 
 
 def chunk_rows(rows: int, world: int) -> int:
@@ -273,9 +316,10 @@ def _regather_bucket(
     old_size: int,
     order: list[int],
     group: dist.ProcessGroup,
-) -> None:
+) -> int:
     """Rebuild the full tensors of ``keys`` from the old shards (one all-gather of every
-    rank's padded old chunks) and copy this rank's new shard of each into the new model."""
+    rank's padded old chunks) and copy this rank's new shard of each into the new model.
+    Returns the bytes this rank contributed."""
     dests = [fresh.tensors[k] for k in keys]
     widths = [chunk_rows(d.shape[0], old_size) * _row(d) for d in dests]
     span = sum(widths)  # elements of one old rank's padded chunks of every key
@@ -290,6 +334,7 @@ def _regather_bucket(
     world = dist.get_world_size(group)
     gathered = mine.new_empty(world * slots * span)
     dist.all_gather_single(gathered, mine, group=group)
+    contributed = mine.numel() * mine.element_size()
     del mine
     me = dist.get_rank(group)
     offset = 0
@@ -302,3 +347,107 @@ def _regather_bucket(
         start = me * chunk_rows(rows, world)  # the new mesh's coordinate is the group rank
         local.copy_(full[start : start + local.shape[0]])
         offset += width
+    return contributed
+
+
+def _in_place_sources(choice: Choice, infos: list[Info | list[Info] | None]) -> dict[int, tuple[int, int]]:
+    """Old rank -> (new rank, index in its held states) that fills new rank ``old rank``
+    when the world keeps its size: the rank itself when it holds its own old rank at the
+    chosen step (nothing moves), else the holder ``choose`` picked."""
+    sources = dict(choice.sources)
+    for rank, entry in enumerate(infos):
+        for j, (old_rank, _, step) in enumerate(_as_list(entry)):
+            if old_rank == rank and step == choice.step:
+                sources[rank] = (rank, j)
+                break
+    return sources
+
+
+def _shard_numel(shape: tuple[int, ...], world: int, rank: int) -> int:
+    """Elements of ``rank``'s ``Shard(0)`` chunk of a tensor of ``shape`` (torch.chunk cuts)."""
+    per = chunk_rows(shape[0], world)
+    return max(0, min(per, shape[0] - rank * per)) * math.prod(shape[1:])
+
+
+def _messages(fresh: HeldState, world: int, rank: int) -> list[list[tuple[str, int]]]:
+    """``rank``'s shards as messages: (key, elements) in sorted key order, grouped by dtype
+    and device, at most ``BUCKET_BYTES`` each (a bigger tensor goes alone). Sender and
+    receiver derive the same cut from the global shapes."""
+    messages: list[list[tuple[str, int]]] = []
+    current: list[tuple[str, int]] = []
+    size, kind = 0, None
+    for key in sorted(fresh.sharded):
+        dest = fresh.tensors[key]
+        numel = _shard_numel(fresh.shapes[key], world, rank)
+        if numel == 0:
+            continue
+        nbytes = numel * dest.element_size()
+        this = (dest.dtype, dest.device.type)
+        if current and (this != kind or size + nbytes > BUCKET_BYTES):
+            messages.append(current)
+            current, size = [], 0
+        current.append((key, numel))
+        size, kind = size + nbytes, this
+    if current:
+        messages.append(current)
+    return messages
+
+
+def _fill_in_place(
+    fresh: HeldState, held: list[HeldState], sources: dict[int, tuple[int, int]], group: dist.ProcessGroup
+) -> tuple[int, int]:
+    """Fill this rank's new shards with old rank ``me``'s (same world size, so the same
+    cuts): copied from its own held state, or received from the one rank ``sources``
+    names, while this rank sends the old ranks it is the source of to their positions.
+    Round i carries message i of every transfer at once (``batch_isend_irecv``), so a
+    rank holds one message per transfer at a time. Returns (received, sent) bytes."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    dests = {key: fresh.tensors[key].to_local() for key in fresh.sharded}
+    holder, index = sources[me]
+    if holder == me:
+        own = held[index]
+        for key, local in dests.items():
+            local.copy_(own.tensors[key])
+    outgoing = [(rank, held[j]) for rank, (source, j) in sorted(sources.items()) if source == me and rank != me]
+    plans = {rank: _messages(fresh, world, rank) for rank, _ in outgoing}
+    if holder != me:
+        plans[me] = _messages(fresh, world, me)
+    received = sent = 0
+    for round_ in range(max((len(plan) for plan in plans.values()), default=0)):
+        ops: list[dist.P2POp] = []
+        for rank, state in outgoing:
+            if round_ < len(plans[rank]):
+                message = _pack(plans[rank][round_], state, fresh)
+                ops.append(dist.P2POp(dist.isend, message, group=group, group_peer=rank))
+                sent += message.numel() * message.element_size()
+        inbox: torch.Tensor | None = None
+        if holder != me and round_ < len(plans[me]):
+            inbox = _empty(plans[me][round_], fresh)
+            ops.append(dist.P2POp(dist.irecv, inbox, group=group, group_peer=holder))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if inbox is not None:
+            received += inbox.numel() * inbox.element_size()
+            offset = 0
+            for key, numel in plans[me][round_]:
+                local = dests[key]
+                local.copy_(inbox[offset : offset + numel].view_as(local))
+                offset += numel
+    return received, sent
+
+
+def _empty(message: list[tuple[str, int]], fresh: HeldState) -> torch.Tensor:
+    """A flat buffer for ``message``, of its keys' dtype on the new model's device."""
+    sample = fresh.tensors[message[0][0]]
+    return torch.empty(sum(numel for _, numel in message), dtype=sample.dtype, device=sample.device)
+
+
+def _pack(message: list[tuple[str, int]], state: HeldState, fresh: HeldState) -> torch.Tensor:
+    """``message``'s shards of a held state, one after the other in one flat buffer."""
+    flat = _empty(message, fresh)
+    offset = 0
+    for key, numel in message:
+        flat[offset : offset + numel].copy_(state.tensors[key].reshape(-1))
+        offset += numel
+    return flat

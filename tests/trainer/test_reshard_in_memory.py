@@ -7,6 +7,10 @@ finally a world of 2 that lacks old rank 1 must refuse. Widths do not divide by 
 not by 2), so the old and new chunks are uneven. Both scenarios (survivors keep their
 ranks, survivors permuted) run one after the other in the same three processes, so the
 second also covers processes that change rank between worlds of the same shape.
+
+A replacement at the same size runs in four more processes (``reshard_replace_worker``):
+old rank 2's shards exist only as a copy on rank 0, a fresh process takes position 2,
+and only it receives, point to point, in many small messages.
 """
 
 from __future__ import annotations
@@ -32,15 +36,24 @@ SCENARIOS = {"survivors-keep-ranks": [0, 1, 2], "survivors-permuted": [2, 0, 1]}
 """Name -> the new rank of each process (0 and 1 held old ranks 0 and 1; 2 is the newcomer)."""
 
 
+REPLACE_BUCKET_BYTES = 4096
+"""A few tensors' shards per message: a replacement receives its shards in many messages."""
+
+
 def _run_workers(out: Path, timeout: float = 180) -> None:
+    spec = {"scenarios": SCENARIOS}
+    _run(out, "tests.trainer.reshard_memory_worker", 3, spec, timeout)
+
+
+def _run(out: Path, worker: str, procs: int, spec: dict[str, Any], timeout: float) -> None:
     # The test hosts the store on a port the kernel picked: no port is guessed.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    spec = json.dumps({"port": store.port, "out": str(out), "scenarios": SCENARIOS})
+    argv = [sys.executable, "-m", worker, json.dumps({"port": store.port, "out": str(out), **spec})]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    argv = [sys.executable, "-m", "tests.trainer.reshard_memory_worker", spec]
-    run_all([[*argv, str(p)] for p in range(3)], [out / f"proc-{p}.log" for p in range(3)], env, REPO, timeout)
+    logs = [out / f"proc-{p}.log" for p in range(procs)]
+    run_all([[*argv, str(p)] for p in range(procs)], logs, env, REPO, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +151,60 @@ def test_shrink_refuses_on_every_rank_instead_of_hanging(grown: Path) -> None:
     assert errors[1] is None, "old rank 1 stays out of the shrunk world"
     assert errors[0] is not None and errors[0] == errors[2]
     assert "no step at which the old ranks 0..1 are all held" in errors[0]
+
+
+# --- a replacement at the same size -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replaced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run of the four processes of ``reshard_replace_worker``."""
+    out = tmp_path_factory.mktemp("reshard-replace")
+    _run(out, "tests.trainer.reshard_replace_worker", 4, {"bucket_bytes": REPLACE_BUCKET_BYTES}, 240)
+    return out
+
+
+def _replace_results(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"proc-{p}.json").read_text()) for p in range(4)]
+
+
+def test_a_replacement_at_the_same_size_lands_every_rank_on_its_own_old_shards(replaced: Path) -> None:
+    results = _replace_results(replaced)
+    assert [r["held"] for r in results] == [[[0, 2], [2, 2], [1, 2]], [[1, 2]], [], [[3, 2]]]
+    assert [r["replace"]["step"] for r in results] == [2, 2, 2, 2]
+    old = torch.load(replaced / "old.pt")
+    assert old["optim"]["state"], "the old world must have optimizer state to carry"
+    assert any(t.shape[0] % 4 for t in old["model"].values()), "some shards must be uneven"
+    for rank in range(4):
+        rebuilt, original = torch.load(replaced / f"replace-{rank}.pt"), torch.load(replaced / f"old-{rank}.pt")
+        _assert_identical(rebuilt, original, f"rank {rank}")
+    new = torch.load(replaced / "replace.pt")
+    _assert_identical(new["model"], old["model"], "model")
+    _assert_identical(new["optim"], old["optim"], "optim")
+    assert {g["lr"] for g in new["optim"]["param_groups"]} == {3e-3}
+
+
+def test_only_the_replaced_position_receives_and_only_its_shards(replaced: Path) -> None:
+    moved = [r["replace"] for r in _replace_results(replaced)]
+    assert {m["layout"] for m in moved} == {"same"}
+    lost = torch.load(replaced / "old-2.pt")
+    lost_bytes = sum(lost["tensors"][k].numel() * lost["tensors"][k].element_size() for k in lost["sharded"])
+    assert lost_bytes > 4 * REPLACE_BUCKET_BYTES, "the shards must take several messages"
+    assert [m["received_bytes"] for m in moved] == [0, 0, lost_bytes, 0]
+    # Rank 0 holds old rank 1 too, and is its lowest holder, yet rank 1 keeps its own:
+    # rank 0 sends old rank 2's shards and nothing else.
+    assert [m["sent_bytes"] for m in moved] == [lost_bytes, 0, 0, 0]
+    held = [[(0, 4, 2), (2, 4, 2), (1, 4, 2)], [(1, 4, 2)], None, [(3, 4, 2)]]
+    choice = choose(held)  # type: ignore[arg-type]
+    assert isinstance(choice, Choice) and choice.sources[1] == (0, 2)
+
+
+def test_the_all_gather_path_rebuilds_the_same_world_identically(replaced: Path) -> None:
+    for rank in range(4):
+        _assert_identical(
+            torch.load(replaced / f"regather-{rank}.pt"), torch.load(replaced / f"replace-{rank}.pt"), f"{rank}"
+        )
+    _assert_identical(torch.load(replaced / "regather.pt"), torch.load(replaced / "replace.pt"))
+    moved = [r["regather"] for r in _replace_results(replaced)]
+    assert all(m["received_bytes"] > 0 and m["sent_bytes"] > 0 for m in moved), "every rank receives the whole state"
+    assert [r["regather"]["step"] for r in _replace_results(replaced)] == [2, 2, 2, 2]

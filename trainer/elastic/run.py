@@ -47,7 +47,7 @@ from regroup.trainer.elastic.session import RunInfo, Session
 from regroup.trainer.elastic.state import MisuseError, State, World
 from regroup.trainer.inplace_reform import InPlaceReforms
 from regroup.trainer.progress import Counters, ProgressReports
-from regroup.trainer.reshard import HeldState, redistribute
+from regroup.trainer.reshard import HeldState, last_moved, redistribute
 from regroup.trainer.snapshot import Snapshots
 from regroup.trainer.stopping import StopSignal, exit_code
 from regroup.trainer.world_change import WorldChange
@@ -368,7 +368,9 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         else:
             self.session.held = []
             self.change.add("reshard", time.perf_counter() - t0)
-            self._resumed_at(step, "resharded in memory")
+            # layout, received_bytes, sent_bytes: at the old size only replaced positions receive.
+            moved = last_moved()
+            self._resumed_at(step, "resharded in memory", **(vars(moved) if moved else {}))
             # An ack from memory, a grow or a loss rebuilt from snapshots: write it down soon.
             self._store_due = self.checkpointer is not None and (stored or 0) < step
             return
