@@ -325,7 +325,11 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
             return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(missing)}")
         by_node = {j.node: j for j in joiners}
         wanted = set(expected.nodes)
-        left_out = [j.agent for j in joiners if j.node not in wanted]
+        # Members of the last round that the controller leaves out are told to go. A waiting
+        # node it does not take (a spare: the job is at its max) is not: it keeps waiting
+        # for a later round, its workers warm, instead of being sent away and restarted.
+        previous = frozenset(state.agents) if state is not None else frozenset()
+        left_out = [j.agent for j in joiners if j.node not in wanted and j.agent in previous]
         if state is not None:
             left_out += [a for a, n in zip(state.agents, state.nodes) if n not in wanted and a in view.alive()]
         reason = f"expected membership g{expected.generation}" + (f" ({expected.reason})" if expected.reason else "")

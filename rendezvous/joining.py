@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 from regroup.etcd import TRANSIENT_ERRORS as ETCD_ERRORS
 from regroup.exit_codes import LEFT_JOB
 from regroup.rendezvous.agent import AgentKeys, DuplicateNode
-from regroup.rendezvous.decisions import Bounds, plan_join
+from regroup.rendezvous.decisions import Bounds, JobView, plan_join
 from regroup.rendezvous.join_steps import Closed, CloseRound, Conflict, Done, Excluded, PutJoin, Wait
 from regroup.rendezvous.settings import RendezvousSettings
 from regroup.rendezvous.watch import JobWatch
@@ -80,6 +80,15 @@ class JoinLoop:
         self.stop_at: float | None = None
         """Unix time after which the agent, told to stop, may not wait for a round any longer."""
         self.stop_reason = ""
+
+    def _spare(self, view: JobView) -> bool:
+        """Whether this agent waits outside a round of the job that is running: the round is
+        open, this agent is not in it, and every agent of it is alive."""
+        state = view.state
+        if state is None or state.closed or view.rank_of(self._keys.me.agent) is not None:
+            return False
+        alive = view.alive()
+        return all(agent in alive for agent in state.agents)
 
     @property
     def node(self) -> str:
@@ -138,6 +147,10 @@ class JoinLoop:
                         excluded_since = None
                         if self.left_out_at is None:
                             self.alone = ""
+                    if not step.excluded and self._spare(watch.view):
+                        # A spare: the job trains without this agent and it waits for a place
+                        # for as long as the job runs; join_timeout bounds forming a round.
+                        deadline = max(deadline, loop.time() + self._settings.timeouts.join.total_seconds())
                     remaining = deadline - loop.time()
                     if step.excluded or self.left_out_at is not None:
                         # Out of the job, not late: excluded_timeout applies, join_timeout does not.

@@ -115,6 +115,22 @@ def test_expected_membership_closes_exactly_those_nodes_and_excludes_the_rest() 
     assert isinstance(missing, Wait) and "c" in missing.reason
 
 
+def test_expected_membership_leaves_a_waiting_spare_waiting_rather_than_sending_it_away() -> None:
+    """The controller's round [a, b] leaves out c, a member of the last round (told to go),
+    and d, a node that never had a place (a spare of a job at its max): d is not excluded, and
+    asks for the round after, its workers untouched."""
+    expected = ExpectedMembership(generation=4, nodes=["a", "b"], reason="c leaves")
+    state = formed(["a", "b", "c"])
+    v = view(["a", "b", "c", "d"], [join("a", 2), join("b", 2), join("c", 2), join("d", 2)], state=state,
+             expected=expected)
+    closed = plan_close(v, now=10.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == ["a", "b"]
+    assert closed.state.excluded == [aid("c")]
+    after = view(["a", "b", "c", "d"], [join("d", 2)], state=closed.state, expected=expected)
+    assert isinstance(plan_join(after, me("c"), 2, 11.0, BOUNDS), Excluded)
+    assert plan_join(after, me("d"), 2, 11.0, BOUNDS) == PutJoin(3, "join")
+
+
 def test_a_consumed_or_out_of_bounds_expected_membership_is_ignored() -> None:
     spent = ExpectedMembership(generation=3, nodes=["a", "b"])
     state = formed(["a", "b"], expected_generation=3)

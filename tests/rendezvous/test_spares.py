@@ -3,6 +3,7 @@ round says how many spares the job has against ``spare_nodes``."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -78,3 +79,23 @@ def test_a_spare_takes_the_lost_nodes_position_and_rounds_report_the_spares(
     survivor.set_closed()
     with pytest.raises(RendezvousClosedError):
         extra_joined.result(20)
+
+
+def test_a_spare_waits_past_join_timeout_while_the_job_runs_then_takes_a_place(agents: Agents) -> None:
+    """``join_timeout`` bounds forming a round, not a spare's wait: a spare of a running job
+    waits for as long as the job runs (hours, on a quiet fleet), then takes a lost place."""
+    first = [agents.make(n, (2, 2)) for n in ("n0", "n1")]
+    infos = [f.result(20) for f in agents.join(*first)]
+    spare = agents.make("n2", (2, 2), join_timeout="1")
+    waiting = agents.join(spare)[0]
+    started = time.monotonic()
+    wait_until(lambda: time.monotonic() - started > 3, 10, "three join timeouts of the spare")
+    assert not waiting.done(), "the spare gave up waiting while the job ran"
+    lost = next(h for h, info in zip(first, infos) if info.rank == 1)
+    survivor = next(h for h in first if h is not lost)
+    lost.shutdown()
+    wait_until(lambda: survivor.num_nodes_waiting() > 0, 10, "the survivor to see the loss")
+    rejoined = agents.join(survivor)[0].result(20)
+    taken = waiting.result(20)
+    assert (rejoined.rank, taken.rank, taken.world_size) == (0, 1, 2)
+    survivor.set_closed()
