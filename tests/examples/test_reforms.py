@@ -148,3 +148,46 @@ def test_a_loss_a_grow_and_a_planned_shrink_follow_the_uninterrupted_run(
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
     assert expected[STEPS] < expected[1] - 0.1, "the model should learn, or the comparison means little"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("example", [FSDP2], ids=lambda e: e.name, indirect=True)
+def test_a_spare_takes_a_lost_nodes_place_in_a_users_script(
+    example: Example, straight: StraightRun, job: ScriptJob
+) -> None:
+    """The user's script gets spares as the built-in trainer does: with c waiting beyond
+    max, b's loss is answered by c in b's place at the same world size, from the snapshots'
+    buddy copies, losing at most one step, and the kept history is the uninterrupted run's."""
+    samples = job.root / "samples"
+    job.claim_control()
+    job.ask_checkpoint(1)  # the first world trains one step, acks and holds until c is up
+    job.expect(0, ["a", "b"], "start")
+    for node in ("a", "b"):
+        job.start(node, nnodes="1:2")
+    ack = job.acked(1)
+    job.start("c", nnodes="1:2")
+    job.await_joiner("c", after=0)
+    pids = {node: job.workers(node) for node in ("a", "c")}
+    assert all(len(p) == 1 for p in pids.values()), pids
+    watch = job.watch_workers(["a", "c"])
+    job.reform(1, ["a", "b"], cause="manual")  # c is a spare: not in the round, still waiting
+    wait_for(lambda: _all_ranks_reached(samples, 2, ack.step + KILL_AFTER), 180, "2 ranks training on")
+
+    job.kill_node("b")
+    replaced = job.await_progress(
+        "2 ranks training after the loss", lambda p: p.world_size == 2 and p.step > p.resumed_from_step + 1,
+        timeout=120,
+    )
+    assert replaced.reform_mode == "in-place"
+    assert "reshard" in replaced.resume_phases and "load" not in replaced.resume_phases, replaced.resume_phases
+    assert replaced.last_step - replaced.resumed_from_step <= 1, replaced
+    for node in ("a", "c"):
+        assert job.procs[node].wait(240) == 0, job.log(node)[-3000:]
+    assert watch.close() == {n: set(p) for n, p in pids.items()}, "a worker was restarted"
+    [moved] = job.events("c", "resharded in memory")[-1:]
+    assert moved["layout"] == "same" and moved["received_bytes"] > 0
+    assert job.events("a", "resharded in memory")[-1]["received_bytes"] == 0
+    got = trained(samples, STEPS, example.global_batch, example.summed)
+    expected = trained(straight.wait(), STEPS, example.global_batch, example.summed)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
