@@ -135,6 +135,10 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         progress is not None
         and s.progress_revision > plan.progress_revision
         and (plan.world_size_target == 0 or progress.world_size == plan.world_size_target)
+        # From the new round, where the trainer says which round (0: a restarted worker under
+        # torchrun does not): a replacement keeps the world size, so the old world's progress
+        # is at the planned size too.
+        and (progress.round == 0 or progress.round >= plan.round_after)
     ):
         lost_steps = _lost_steps(plan, progress)
         # Only the trainer's rank 0 knows how its world came to be and where the resume time

@@ -84,6 +84,9 @@ class ElasticWorld:
         channel = env.get(CHANNEL_ENV)
         self.channel = Path(channel) if channel else None
         self.standby = env.get(STANDBY_ENV) == "1"
+        self.warm = False
+        """This worker was up and waiting when its first world was handed out (a standby or
+        spare worker): no process was started for that world."""
         self._restart_only = env.get(RESTART_ONLY_ENV) == "1"
         self._env = dict(env)
         self._keep_ports = set(keep_ports)
@@ -259,6 +262,8 @@ class ElasticWorld:
             return Membership.from_env(self._env, self.local_rank)
         if self.standby:
             # Started ahead of the rendezvous: the agent writes our world once the round forms.
+            first = self._file.poll() if self._file else None
+            self.warm = first is None or first.pending
             return self._await_world(lambda w: not w.pending, stop, self.timeout, "the first world", leaving_ends=True)
         current = self._file.poll() if self._file else None
         if current is None:

@@ -329,3 +329,25 @@ async def test_a_spare_replaces_a_lost_node_end_to_end_and_status_metrics_and_th
     assert "  spares: 0 (wanted 1)  - below wanted: the next loss shrinks the job" in text
     assert any(line.startswith("  last re-form: #1 node-lost (unplanned, replace) 3 -> 3 nodes, done") for line in text)
     assert "    NodeReplaced: " + last["summary"] in text
+
+
+def test_a_replacement_completes_on_the_new_rounds_progress_not_the_old_worlds() -> None:
+    """The world keeps its size, so the old world's progress is at the planned size too: a
+    record of round 1 published after the plan must not complete it (it would say the job
+    resumed from that world's step with every step since lost)."""
+    s, _ = step(at_max().without_pod(f"{JOB}-n3"), T0 + 5)
+    order = ["n4", "n1", "n5", "n2"]
+    s = s.without_member("n3").round_formed(2, order, in_order=True, at=T0 + 6)
+    for node in order:
+        s = s.with_member(member(node, 2), at=T0 + 6)
+    s, _ = step(s, T0 + 6)
+    assert s.plan.phase == "resume"
+    stale = Progress(step=130, loss=1.0, samples_seen=0, world_size=8, time=T0 + 6.2, resumed_from_step=0, round=1)
+    s, _ = step(s.at(T0 + 6.2).with_progress(stale, 60), T0 + 6.2)
+    assert s.plan.phase == "resume", "completed on the old world's progress"
+    s = s.at(T0 + 6.5).with_progress(
+        Progress(step=130, loss=1.0, samples_seen=0, world_size=8, time=T0 + 6.5, resumed_from_step=129,
+                 last_step=129, round=2), 61,
+    )
+    s, _ = step(s, T0 + 6.5)
+    assert (s.plan.outcome, s.plan.resumed_from_step, s.plan.lost_steps) == ("completed", 129, 0)

@@ -153,6 +153,8 @@ def test_two_nodes_killed_are_replaced_by_two_spares_in_their_positions_then_the
     job.kill_node("a")
     again = _replaced(job, before, "training at 2 ranks again, d in a's place")
     assert _lost(again) <= 1
+    # Rank 0 is now the spare's worker: it waited warm, no process was started for this world.
+    assert again.reform_mode == "in-place" and "startup" not in again.resume_phases, again
     assert job.workers("d") == warm["d"] and job.workers("c") == warm["c"]
     assert _ranks(job, "d")[-1] == 0 and _ranks(job, "c")[-1] == 1, "d took a's position, c kept its own"
 

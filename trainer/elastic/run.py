@@ -400,6 +400,11 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
 
     def _resumed_at(self, step: int, event: str, **fields: Any) -> None:
         self.state.step, self.state.samples_seen = step, step * self.plan.global_batch
+        if not self.change.mode and self.session.world.warm:
+            # A standby or spare worker that waited for this world: no process was started for
+            # it, and its start-up, long before, is no part of this re-form.
+            self.change.mode = "in-place"
+            self.change.phases.pop("startup", None)
         if not self.change.mode:
             self.change.mode = "restart"  # a process started for a world that had state
         self.resumed_from = step
