@@ -40,7 +40,10 @@ def phase_of(view: JobView, now: float, stale_after: float = 3.0) -> str:
     """The job's current phase in a few words, from the controller's plan and progress."""
     plan = view.plan
     if plan is not None and plan.phase != ReformPhase.DONE:
-        return f"re-forming ({plan.cause.value}, {'planned' if plan.planned else 'unplanned'}): {plan.phase.value}"
+        how = [plan.cause.value, "planned" if plan.planned else "unplanned"]
+        if plan.replaced:  # a spare takes a leaving node's place: replace or migrate
+            how.append(plan.strategy + "".join(f" {old}->{new}" for old, new in sorted(plan.replaced.items())))
+        return f"re-forming ({', '.join(how)}): {plan.phase.value}"
     status = view.status
     if status is not None and status.state in ("stalled", "waiting", "bad-config"):
         return f"{status.state}: {status.reason}"

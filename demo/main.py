@@ -4,6 +4,7 @@
     regroup demo --baseline torchrun-c10d         # the same churn on plain torchrun
     regroup demo --compare                        # both, one report side by side
     regroup demo --scenario short --duration 90s  # a bundled scenario, overridden
+    regroup demo --scenario spares                # the default churn on a job that keeps a warm spare
     regroup demo --script train.py [-- ARGS...]   # your own training script instead of the built-in trainer
     regroup demo -- python train.py --lr 3e-4     # the same, as a command after --
     regroup demo --report out/RUN [out/RUN2]      # rebuild a report from recorded runs
@@ -55,9 +56,11 @@ def exit_codes(program: str, logs: Path) -> Iterator[None]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--scenario", default="default", help="scenario YAML file, or a bundled one: default, short (default: default)"
+        "--scenario", default="default", help="scenario YAML file, or a bundled one: default, short, spares, evict, drain (default: default)"
     )
-    parser.add_argument("--nodes", type=int, help="number of local nodes (overrides the scenario)")
+    parser.add_argument(
+        "--nodes", type=int, help="number of local nodes (overrides the scenario; the job's max follows, less its spares)"
+    )
     parser.add_argument("--duration", help="run length, e.g. 150s or 3m (overrides the scenario)")
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for run folders (default: out)")
     parser.add_argument("--name", help="run folder name (default: <scenario>-<time>)")

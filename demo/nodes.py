@@ -8,7 +8,8 @@ environment (``worker_env``).
 Three modes play the same scenario with the same worker command and checkpoint cadence:
 
 - ``regroup``: ``regroup-run --standby`` (torchrun whose workers survive re-forms in
-  place) with the ``etcd-v3`` rendezvous, driven by the controller;
+  place; ``--standby`` starts them before the agent joins, so a spare waits with its
+  workers warm) with the ``etcd-v3`` rendezvous, driven by the controller;
 - ``regroup-restart``: plain torchrun (``torch.distributed.run``) with the same ``etcd-v3``
   rendezvous and controller: every re-form restarts every worker (the restart path);
 - ``torchrun-c10d``: plain torchrun with its c10d rendezvous and no controller. Its
@@ -39,6 +40,8 @@ MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d")
 CONTROLLED: tuple[str, ...] = ("regroup", "regroup-restart")
 """Modes with the etcd-v3 rendezvous and the controller."""
 NAMESPACE = "default"
+SPARE_NODES_CONF = "spare_nodes"
+"""The etcd-v3 rendezvous' ``--rdzv-conf`` key for the spares a job wants."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Small enough that four ranks share two CPU cores, slow enough to watch; the global
@@ -102,6 +105,11 @@ class RunLayout:
         return self.root / "members.jsonl"
 
     @property
+    def rounds(self) -> Path:
+        """Every round formed: its nodes in rank order (a replacement in its predecessor's place)."""
+        return self.root / "rounds.jsonl"
+
+    @property
     def samples(self) -> Path:
         """Per-rank sample logs (``REGROUP_SAMPLE_LOG``, the built-in trainer's ``data.sample_log``)."""
         return self.root / "samples"
@@ -143,6 +151,12 @@ def write_trainer_config(scenario: Scenario, layout: RunLayout, etcd_endpoint: s
     layout.trainer_config.parent.mkdir(parents=True, exist_ok=True)
     layout.trainer_config.write_text(yaml.safe_dump(config, sort_keys=False))
     return layout.trainer_config
+
+
+def pod_annotations(scenario: Scenario, etcd_endpoint: str) -> dict[str, str]:
+    """What every worker pod of the job carries (DESIGN contract 1): the job's annotations,
+    ``regroup.dev/spare-nodes`` included, and the run's etcd as its rendezvous endpoint."""
+    return {**scenario.job.annotations(), "regroup.dev/rdzv-endpoint": etcd_endpoint}
 
 
 def base_env(layout: RunLayout) -> dict[str, str]:
@@ -243,6 +257,10 @@ def torchrun_argv(
         f"--rdzv-endpoint={rdzv_endpoint}",
     ]  # fmt: skip
     if mode in CONTROLLED:
+        if job.spare_nodes:
+            # How many spares the job wants, for the rendezvous' own report when no
+            # controller is there; the policy is the same without it.
+            argv.append(f"--rdzv-conf={SPARE_NODES_CONF}={job.spare_nodes}")
         argv.append("--rdzv-backend=etcd-v3")
     else:
         # Every agent is a client of the standalone store.

@@ -1,9 +1,10 @@
-"""Records a job as etcd sees it: progress, membership, the controller's plan and status.
+"""Records a job as etcd sees it: progress, membership, rounds, the controller's plan and status.
 
-A reflector of the job's key prefix keeps a live ``JobView`` for the terminal view and
-appends every progress record, membership change and re-form plan to JSON-lines files
-for the report. When etcd restarts, the reflector lists the keys again; only what changed
-since is recorded, as a watch would have delivered it.
+A reflector of the job's key prefix keeps a live ``JobView`` for the terminal view (and
+the script's settle checks: who waits to join, who is a spare) and appends every progress
+record, membership change, formed round and re-form plan to JSON-lines files for the
+report. When etcd restarts, the reflector lists the keys again; only what changed since is
+recorded, as a watch would have delivered it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from regroup.keys import JobKey, JobKeys, KeyKind, decode
 from regroup.records import (
     CheckpointAck,
     CheckpointRequest,
+    Exclusions,
     JobStatus,
+    JoinRecord,
     MemberRecord,
     Progress,
     RecordError,
     ReformPlan,
+    RoundState,
 )
 
 log = structlog.get_logger("regroup.demo.recorder")
@@ -43,13 +47,41 @@ class JobView:
     checkpoint: CheckpointRequest | None = None
     acked_generations: set[int] = field(default_factory=set)
     progress_listeners: list[Any] = field(default_factory=list)
+    round_state: RoundState | None = None
+    """The last round formed (``rdzv/state``): its nodes in rank order."""
+    joins: dict[str, JoinRecord] = field(default_factory=dict)
+    """Node -> its agent's live request to join a round (``rdzv/joins/<node>``)."""
+    excluded: frozenset[str] = frozenset()
+    """Nodes the controller keeps out of the job (a reclaim notice, a cordon)."""
+
+    def waiting(self, now: float) -> list[str]:
+        """The nodes waiting outside the round formed last: a live join record, not in that
+        round, not on probation and not excluded."""
+        in_round = set(self.round_state.nodes) if self.round_state is not None else set()
+        return sorted(
+            node
+            for node, join in self.joins.items()
+            if node not in in_round and join.not_before <= now and node not in self.excluded
+        )
+
+    def spares(self, now: float, max_nodes: int) -> list[str]:
+        """The job's warm spares: the nodes waiting while its round is at ``max_nodes``
+        (below it, a waiting node is a joiner the job grows by)."""
+        at_max = self.round_state is not None and len(self.round_state.nodes) >= max_nodes
+        return self.waiting(now) if at_max else []
 
 
 class JobRecorder:
     """Watches one job's keys until cancelled; see the module docstring."""
 
     def __init__(
-        self, settings: EtcdSettings, keys: JobKeys, progress_file: Path, members_file: Path, plans_file: Path
+        self,
+        settings: EtcdSettings,
+        keys: JobKeys,
+        progress_file: Path,
+        members_file: Path,
+        plans_file: Path,
+        rounds_file: Path | None = None,
     ) -> None:
         self.view = JobView()
         self._settings = settings
@@ -57,6 +89,7 @@ class JobRecorder:
         self._progress_file = progress_file
         self._members_file = members_file
         self._plans_file = plans_file
+        self._rounds_file = rounds_file
         self._last_plan: tuple[int, str] | None = None
         self._revisions: dict[str, int] = {}
         """Key -> mod_revision of every key applied so far (a listing applies only what differs)."""
@@ -104,6 +137,15 @@ class JobRecorder:
             else:
                 self.view.members.pop(found.params["node"], None)
             self._on_members(now)
+        elif found.kind is KeyKind.JOIN:
+            if isinstance(record, JoinRecord):
+                self.view.joins[found.params["node"]] = record
+            else:
+                self.view.joins.pop(found.params["node"], None)
+        elif found.kind is KeyKind.EXCLUDED:
+            self.view.excluded = frozenset(record.nodes) if isinstance(record, Exclusions) else frozenset()
+        elif isinstance(record, RoundState):
+            self._on_round(record, now)
         elif isinstance(record, Progress):
             self._on_progress(record, now)
         elif isinstance(record, ReformPlan):
@@ -135,6 +177,16 @@ class JobRecorder:
                 "rounds": {n: m.round for n, m in sorted(members.items())},
             },
         )
+
+    def _on_round(self, state: RoundState, now: float) -> None:
+        before = self.view.round_state
+        self.view.round_state = state
+        if self._rounds_file is not None and (before is None or before.round != state.round) and state.round:
+            append_jsonl(
+                self._rounds_file,
+                {"seen": now, "round": state.round, "nodes": list(state.nodes), "formed_at": state.formed_at,
+                 "reason": state.reason},
+            )  # fmt: skip
 
     def _on_plan(self, plan: ReformPlan) -> None:
         self.view.plan = plan

@@ -13,7 +13,7 @@ import html
 import io
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -32,6 +32,8 @@ from regroup.demo.analysis import (
     run_reforms,
     world_size_timeline,
 )
+from regroup.demo.strategy import Strategy, plans_by_trace, reform_strategy, strategy_counts
+from regroup.demo.throughput import DEFAULT_WINDOW_S, EventThroughput, throughput_around_events
 from regroup.trace_report import PHASES, Reform, format_table
 
 PHASE_COLOURS = {"detect": "#d62728", "checkpoint": "#1f77b4", "rendezvous": "#ff7f0e", "resume": "#2ca02c"}
@@ -54,6 +56,8 @@ class RunSummary:
     reclaim_lost_steps: int | None
     """Steps lost to the scripted planned leaves (spot reclaims, evictions, drains), from
     progress (None: the scenario has none)."""
+    strategies: dict[str, int] = field(default_factory=dict)
+    """Re-forms by strategy (replace, migrate, elastic); {} where the run recorded none."""
 
 
 PLANNED_LEAVES = ("reclaim", "evict", "drain")
@@ -75,7 +79,13 @@ def summarize(run: RunData) -> RunSummary:
         cordoned=tuple(cordoned_nodes(run)),
         continuous=not continuity_errors(run.progress),
         reclaim_lost_steps=sum(i.lost_steps for i in reclaims) if reclaims else None,
+        strategies=strategy_counts(run),
     )
+
+
+def strategies_text(summary: RunSummary) -> str:
+    """``migrate 1, replace 1, elastic 2``, or ``not recorded``."""
+    return ", ".join(f"{name} {n}" for name, n in summary.strategies.items()) or "not recorded"
 
 
 NOT_REPORTED = {
@@ -163,18 +173,21 @@ def loss_chart(runs: list[RunData]) -> str | None:
     return _png(fig)
 
 
-def _cause(reform: Reform) -> str:
-    """The re-form's cause, with how the workers got through it when the trace says."""
-    return f"{reform.cause} ({reform.mode})" if reform.mode else reform.cause
+def _cause(reform: Reform, strategy: Strategy | None = None) -> str:
+    """The re-form's cause, with how the workers got through it and how the world was kept
+    (replace, migrate or elastic, with the positions handed over) where the run says."""
+    how = "; ".join(filter(None, [reform.mode, strategy.describe() if strategy else ""]))
+    return f"{reform.cause} ({how})" if how else reform.cause
 
 
 def reform_latency_chart(run: RunData) -> str | None:
     reforms = run_reforms(run)
     if not reforms:
         return None
+    plans = plans_by_trace(run)
     fig, ax = plt.subplots(figsize=(10, 3.4))
     labels = [
-        f"#{i} {_cause(r)}\n{r.world_before}->{r.world_after} @{r.start - run.started_at:.0f}s"
+        f"#{i} {_cause(r, reform_strategy(r, plans))}\n{r.world_before}->{r.world_after} @{r.start - run.started_at:.0f}s"
         for i, r in enumerate(reforms, 1)
     ]
     bottoms = [0.0] * len(reforms)
@@ -233,6 +246,7 @@ def _summary_rows(summaries: list[RunSummary]) -> str:
         ("steps lost (all events)", [str(s.lost_steps) for s in summaries]),
         ("training interruptions", [str(s.interruptions) for s in summaries]),
         ("re-form traces", [str(s.reforms) for s in summaries]),
+        ("re-form strategies", [strategies_text(s) for s in summaries]),
         (
             "steps lost on planned leaves",
             ["-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps) for s in summaries],
@@ -251,6 +265,7 @@ def _summary_rows(summaries: list[RunSummary]) -> str:
 def _impact_table(runs: list[RunData]) -> str:
     """One row per scripted event: each run's re-forms, seconds without training and lost steps."""
     impacts = [event_impacts(run) for run in runs]
+    plans = [plans_by_trace(run) for run in runs]
     head = "".join(
         f"<th>{html.escape(r.mode)}: re-forms (total s)</th><th>{html.escape(r.mode)}: s without training</th>"
         f"<th>{html.escape(r.mode)}: steps lost</th>"
@@ -259,15 +274,57 @@ def _impact_table(runs: list[RunData]) -> str:
     rows = []
     for i, first in enumerate(impacts[0]):
         cells = [f"<td>{first.event.time - runs[0].started_at:.0f}</td><td>{html.escape(first.event.message)}</td>"]
-        for per_run in impacts:
+        for per_run, run_plans in zip(impacts, plans):
             impact = per_run[i] if i < len(per_run) else None
             if impact is None:
                 cells.append("<td>-</td><td>-</td><td>-</td>")
                 continue
-            reforms = ", ".join(f"{_cause(r)} {r.duration:.1f}" for r in impact.reforms) or "-"
+            reforms = ", ".join(
+                f"{_cause(r, reform_strategy(r, run_plans))} {r.duration:.1f}" for r in impact.reforms
+            ) or "-"
             cells.append(f"<td>{html.escape(reforms)}</td><td>{impact.downtime:.1f}</td><td>{impact.lost_steps}</td>")
         rows.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><tr><th>t (s)</th><th>event</th>{head}</tr>{''.join(rows)}</table>"
+
+
+def _ratio_text(item: EventThroughput) -> str:
+    return "-" if item.ratio is None else f"{item.ratio:.2f}"
+
+
+def _rate_text(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.1f}"
+
+
+def _throughput_table(run: RunData) -> str:
+    """One row per scripted event: the re-forms' strategies, the ranks and the throughput
+    before and after it, and their ratio."""
+    impacts = event_impacts(run)
+    plans = plans_by_trace(run)
+    items = throughput_around_events(run)
+    unit = items[0].unit if items else "samples/s"
+    rows = []
+    for i, item in enumerate(items):
+        reforms = impacts[i].reforms if i < len(impacts) else ()
+        strategies = [reform_strategy(r, plans) for r in reforms]
+        strategy = ", ".join(s.describe() for s in strategies if s is not None) or "-"
+        ranks = f"{item.before.ranks if item.before else '-'} -> {item.after.ranks if item.after else '-'}"
+        rows.append(
+            f"<tr><td>{item.event.time - run.started_at:.0f}</td><td>{html.escape(item.event.message)}</td>"
+            f"<td>{html.escape(strategy)}</td><td>{html.escape(ranks)}</td>"
+            f"<td>{_rate_text(item.before.per_s if item.before else None)}</td>"
+            f"<td>{_rate_text(item.after.per_s if item.after else None)}</td><td>{_ratio_text(item)}</td></tr>"
+        )
+    return (
+        f"<table><tr><th>t (s)</th><th>event</th><th>strategy</th><th>ranks</th><th>{unit} before</th>"
+        f"<th>{unit} after</th><th>after / before</th></tr>{''.join(rows)}</table>"
+    )
+
+
+def throughput_line(run: RunData) -> str:
+    """The terminal summary's one line of throughput ratios, one per scripted event."""
+    items = throughput_around_events(run)
+    parts = [f"{item.event.reason} {_ratio_text(item)}" for item in items]
+    return f"throughput after/before each event ({run.mode}): {', '.join(parts) or '-'}"
 
 
 def _events_table(run: RunData) -> str:
@@ -330,6 +387,20 @@ def build_report(runs: list[RunData], path: Path) -> Path:
     parts += [
         "<h2>Per scripted event</h2>",
         _impact_table(runs),
+    ]
+    for run in runs:
+        parts += [
+            f"<h2>Throughput before and after each scripted event ({html.escape(run.mode)})</h2>",
+            f"<p>Per step, from the progress records: over up to {DEFAULT_WINDOW_S:.0f} s of training just before "
+            f"the event, and the first {DEFAULT_WINDOW_S:.0f} s of the first world formed after it (the re-form "
+            "itself left out). The global batch is constant: a node replaced by a spare (<code>replace</code>, "
+            "<code>migrate</code>) keeps the throughput; a shrink (<code>elastic</code>) loses the leaving ranks' "
+            "share where each rank's own device bounds a step, and keeps it where something else does (the "
+            "built-in trainer pads each step to its <code>step_time_floor</code> on the demo's CPU nodes, which "
+            "share their cores).</p>",
+            _throughput_table(run),
+        ]
+    parts += [
         "<h2>Training downtime per scripted event</h2>",
         "<p>From the last progress before training stopped to the first progress after it resumed.</p>",
         _img(per_event_chart(runs, "downtime"), "downtime per event"),
@@ -381,6 +452,7 @@ def summary_text(runs: list[RunData], report: Path) -> str:
         ("steps lost, all events", lambda s: str(s.lost_steps)),
         ("steps lost on planned leaves", lambda s: "-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps)),
         ("re-form traces", lambda s: str(s.reforms)),
+        ("re-form strategies", strategies_text),
         ("cordoned", lambda s: ",".join(s.cordoned) or "none"),
         ("loss curve continuous", lambda s: "yes" if s.continuous else "NO"),
     ):
@@ -388,6 +460,8 @@ def summary_text(runs: list[RunData], report: Path) -> str:
     for run in runs:
         if run.spans:
             lines += ["", f"re-forms ({run.mode}):", format_table(run_reforms(run), origin=run.started_at)]
+    lines.append("")
+    lines += [throughput_line(run) for run in runs]
     for run in runs:
         if missing := not_reported(run):
             lines.append(f"not reported by this script ({run.mode}): {', '.join(missing)}")

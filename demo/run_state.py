@@ -97,8 +97,11 @@ class RunState:
             return "cordoned"
         notice = next((t for t in node.taints if t.time_added is not None), None)
         if self.mode in CONTROLLED:
-            members = self.recorder.view.members if self.recorder else {}
-            state = "member" if name in members else "joining"
+            view = self.recorder.view if self.recorder else None
+            if view is not None and name in view.spares(time.time(), self.scenario.job.max_nodes):
+                state = "spare"
+            else:
+                state = "member" if view is not None and name in view.members else "joining"
         else:
             # Plain torchrun registers nothing in etcd: all there is to show is a live agent.
             state = "agent up" if cluster is not None and cluster.agent_pid(name) else "agent down"

@@ -27,7 +27,16 @@ import structlog
 from regroup.controller.cluster import NodeInfo
 from regroup.demo.local_cluster import LocalCluster
 from regroup.demo.live import LiveView
-from regroup.demo.nodes import CONTROLLED, NAMESPACE, Mode, RunLayout, base_env, make_launcher, write_trainer_config
+from regroup.demo.nodes import (
+    CONTROLLED,
+    NAMESPACE,
+    Mode,
+    RunLayout,
+    base_env,
+    make_launcher,
+    pod_annotations,
+    write_trainer_config,
+)
 from regroup.demo.recorder import JobRecorder
 from regroup.demo.run_state import FlakyNode, RunState
 from regroup.demo.scenario import ChurnEvent, Scenario
@@ -99,7 +108,7 @@ def _unsettled(run: RunState, final: bool = False, pace: Pace | None = None) -> 
     if final and run.cluster is not None:
         for flaky in run.flaky.values():
             node = run.cluster.node(flaky.node)
-            if node is not None and not node.unschedulable:
+            if node is not None and not node.unschedulable and not _replaced(run, flaky.node):
                 return f"flaky {flaky.node} not cordoned"
             # ... and the job has trained on since it was dealt with, not just re-formed.
             dealt_with = run.dealt_with.setdefault(flaky.node, time.time())
@@ -112,7 +121,30 @@ def _unsettled(run: RunState, final: bool = False, pace: Pace | None = None) -> 
         if not low <= view.progress.world_size <= high:
             expected = str(low) if low == high else f"{low} to {high}"
             return f"training at world size {view.progress.world_size}, {expected} expected"
+        wanted = _spares_expected(run)
+        waiting = view.spares(time.time(), run.scenario.job.max_nodes)
+        if len(waiting) < wanted:
+            return f"{len(waiting)} of {wanted} spare node(s) waiting to join"
     return ""
+
+
+def _spares_expected(run: RunState) -> int:
+    """How many nodes should wait as spares once settled: the usable nodes beyond the job's
+    max, a flaky node not counted (on probation it is no spare, and it is on its way out)."""
+    assert run.cluster is not None
+    usable = [n.name for n in run.cluster.nodes() if _schedulable(n) and n.name not in run.flaky]
+    return max(0, len(usable) - run.scenario.job.max_nodes)
+
+
+def _replaced(run: RunState, node: str) -> bool:
+    """A spare trains in ``node``'s place: the round formed last leaves it out and the job
+    trains at its max. Left waiting, the node no longer crashes and is never cordoned."""
+    view = run.recorder.view if run.recorder else None
+    if view is None or view.round_state is None or view.progress is None:
+        return False
+    job = run.scenario.job
+    at_max = view.progress.world_size >= job.max_nodes * job.nproc_per_node
+    return at_max and node not in view.round_state.nodes
 
 
 async def _wait_settled(run: RunState, timeout: float, final: bool = False, pace: Pace | None = None) -> None:
@@ -318,14 +350,16 @@ async def run_scenario(
     try:
         settings = EtcdSettings.from_endpoint_string(etcd.endpoint)
         keys = JobKeys(NAMESPACE, scenario.job.name)
-        run.recorder = JobRecorder(settings, keys, layout.progress, layout.members, layout.root / "plans.jsonl")
+        run.recorder = JobRecorder(
+            settings, keys, layout.progress, layout.members, layout.root / "plans.jsonl", layout.rounds
+        )
         rdzv_endpoint = etcd.endpoint
         if mode == "torchrun-c10d":
             store, rdzv_endpoint = await _start_c10d_store(layout)
         config = None if script else write_trainer_config(scenario, layout, etcd.endpoint)
         layout.checkpoints.mkdir(parents=True, exist_ok=True)
         layout.samples.mkdir(parents=True, exist_ok=True)
-        annotations = {**scenario.job.annotations(), "regroup.dev/rdzv-endpoint": etcd.endpoint}
+        annotations = pod_annotations(scenario, etcd.endpoint)
         launcher = make_launcher(scenario, mode, layout, rdzv_endpoint, config, worker=script, etcd_endpoint=etcd.endpoint)
         run.cluster = LocalCluster(
             NAMESPACE, scenario.job.name, annotations, launcher, on_event=run.on_cluster_event
@@ -348,7 +382,10 @@ async def run_scenario(
             trained = asyncio.Event()
             run.recorder.view.progress_listeners.append(lambda _: trained.set())
             run.launched_at = time.time()
-            for node in scenario.nodes:
+            # The job forms from the first max_nodes nodes; the others start once it trains
+            # and wait as its spares, so the nodes the script names are the ones training.
+            forming, spares = scenario.nodes[: scenario.job.max_nodes], scenario.nodes[scenario.job.max_nodes :]
+            for node in forming:
                 await run.cluster.add_node(node)
             out = stream or sys.stdout
             view = LiveView(run.snapshot, stream=out, tty=out.isatty() if live is None else live)
@@ -363,6 +400,8 @@ async def run_scenario(
                     f"regroup.trainer.elastic (see docs/demo.md, 'Your own script'); its output is in {layout.logs}"
                 ) from None
             run.started_at = time.time()
+            for node in spares:
+                await run.cluster.add_node(node)
             await stack.enter_async_context(owned_task(_crash_at_start(run), "faults"))
             player = await stack.enter_async_context(owned_task(_play(run, scenario.events, pace), "scenario"))
             # The run lasts its duration plus whatever the script was pushed back, and ends

@@ -17,6 +17,8 @@ import yaml
 
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
 DEFAULT_RECLAIM_TAINT = "aws-node-termination-handler/spot-itn"
+SPARE_NODES_ANNOTATION = "regroup.dev/spare-nodes"
+"""How many warm spares the job wants (the controller's reporting and alerts)."""
 
 Action = Literal["reclaim", "evict", "drain", "uncordon", "lose", "restore", "flaky"]
 ACTIONS: tuple[str, ...] = ("reclaim", "evict", "drain", "uncordon", "lose", "restore", "flaky")
@@ -93,6 +95,10 @@ class JobSpec:
     """``regroup.dev/join-window``."""
     restart_storm: str = "3/2m"
     """``regroup.dev/restart-storm``."""
+    spare_nodes: int = 0
+    """``regroup.dev/spare-nodes`` (and the agents' ``--rdzv-conf spare_nodes``): how many
+    warm spares the job wants waiting beyond ``max_nodes``. It sets what is reported and
+    alerted on, not the policy: a waiting node replaces a leaving one whatever it says."""
 
     def annotations(self) -> dict[str, str]:
         return {
@@ -101,6 +107,7 @@ class JobSpec:
             "regroup.dev/checkpoint-timeout": self.checkpoint_timeout,
             "regroup.dev/join-window": self.join_window,
             "regroup.dev/restart-storm": self.restart_storm,
+            SPARE_NODES_ANNOTATION: str(self.spare_nodes),
         }
 
 
@@ -110,7 +117,9 @@ class Scenario:
 
     name: str
     nodes: tuple[str, ...]
-    """The local nodes, each running one torchrun agent."""
+    """The local nodes, each running one torchrun agent. The first ``job.max_nodes`` start
+    together and form the job; the others start once it trains and wait as its spares, so
+    the nodes the script names are the ones training."""
     duration: timedelta
     """Wall time of the run, from the first agent's start."""
     job: JobSpec
@@ -197,6 +206,7 @@ def _parse_job(body: dict[str, Any]) -> JobSpec:
         checkpoint_timeout=_str(str(body.get("checkpoint_timeout", defaults.checkpoint_timeout)), "job.checkpoint_timeout"),
         join_window=_str(str(body.get("join_window", defaults.join_window)), "job.join_window"),
         restart_storm=_str(str(body.get("restart_storm", defaults.restart_storm)), "job.restart_storm"),
+        spare_nodes=_int(body.get("spare_nodes", defaults.spare_nodes), "job.spare_nodes", 0),
     )
     parse_duration(job.checkpoint_timeout, "job.checkpoint_timeout")
     parse_duration(job.join_window, "job.join_window")
@@ -310,7 +320,8 @@ def load_scenario(path: Path) -> Scenario:
 
 
 def with_overrides(scenario: Scenario, *, nodes: int | None = None, duration: str | None = None) -> Scenario:
-    """Apply command-line overrides, validating them as the file's own fields would be."""
+    """Apply command-line overrides, validating them as the file's own fields would be.
+    With ``nodes``, the job's max follows: every node but the spares it wants."""
     if nodes is not None:
         names = _node_names(nodes, "--nodes")
         for i, event in enumerate(scenario.events):
@@ -319,13 +330,32 @@ def with_overrides(scenario: Scenario, *, nodes: int | None = None, duration: st
                 raise ScenarioError(
                     f"--nodes: events[{i}] names {missing[0]!r}, which {nodes} nodes do not include"
                 )
-        if scenario.job.min_nodes > len(names):
-            raise ScenarioError(f"--nodes: {nodes} is fewer than job.min_nodes ({scenario.job.min_nodes})")
-        # The job may use every node it is given.
-        scenario = replace(scenario, nodes=names, job=replace(scenario.job, max_nodes=len(names)))
+        job = scenario.job
+        if job.min_nodes + job.spare_nodes > len(names):
+            spares = f" and job.spare_nodes ({job.spare_nodes})" if job.spare_nodes else ""
+            raise ScenarioError(f"--nodes: {nodes} is fewer than job.min_nodes ({job.min_nodes}){spares}")
+        # The job may use every node it is given, but for the spares it wants.
+        scenario = replace(scenario, nodes=names, job=replace(job, max_nodes=len(names) - job.spare_nodes))
     if duration is not None:
         span = parse_duration(duration, "--duration")
         if span <= timedelta(0):
             raise ScenarioError("--duration: must be positive")
         scenario = replace(scenario, duration=span)
     return scenario
+
+
+def with_spares(scenario: Scenario, count: int) -> Scenario:
+    """``scenario`` with ``count`` more nodes, which the job keeps as warm spares
+    (``job.spare_nodes``); its max, and so the nodes that train, stay as they were. The new
+    nodes are named on from the last ``node-N`` (``node-5`` after four)."""
+    if count < 0:
+        raise ScenarioError(f"spares: must not be negative, got {count}")
+    taken = set(scenario.nodes)
+    numbers = (int(n.removeprefix("node-")) for n in taken if re.fullmatch(r"node-\d+", n))
+    start = max(numbers, default=0) + 1
+    added = tuple(f"node-{i}" for i in range(start, start + count))
+    return replace(
+        scenario,
+        nodes=scenario.nodes + added,
+        job=replace(scenario.job, spare_nodes=scenario.job.spare_nodes + count),
+    )

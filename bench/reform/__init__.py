@@ -5,6 +5,9 @@ mode after the other on the same machine:
 
 - ``regroup``: ``regroup-run --standby`` with the controller; workers survive a re-form
   in place (same process, new process group);
+- ``regroup-spares``: the same on the scenario with one more node, which the job keeps as
+  a warm spare (``spare_nodes: 1``): a reclaim or a loss is answered by the waiting node,
+  in the leaving node's position, at the same size, as long as a spare is left;
 - ``regroup-restart``: the same rendezvous and controller, plain torchrun agents: every
   re-form restarts every worker;
 - ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller;
@@ -18,6 +21,10 @@ For each mode it measures, from the recorded run (``regroup.demo.analysis``):
 - planned reclaim: the reclaim taint -> the first training step at one node fewer, and
   the steps lost;
 - abrupt loss: the kill -> the first training step at one node fewer;
+- where a spare waited (the size the script implies is unchanged), their own rows: a
+  reclaim is a migrate, from the taint to the first step on the spare, and a loss a
+  replace, from the kill to the first step at the same size (the first step of the new
+  round), each with its lost steps;
 - grow: the moment the join window closed (the grow plan's ``decided_at``; without a
   controller, the restore plus the scenario's join window) -> the first training step
   at the larger size;

@@ -6,22 +6,43 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.reform import torchft_peer
 from bench.reform.torchft_peer import PEERS
 from regroup.demo.main import cancelled_by_sigterm
-from regroup.demo.scenario import Scenario
+from regroup.demo.scenario import Scenario, with_spares
 
-MODES: tuple[str, ...] = ("regroup", "regroup-restart", "torchrun-c10d", "torchft")
+
+@dataclass(frozen=True)
+class Variant:
+    """A demo mode played on a variation of the scenario."""
+
+    mode: str
+    """The demo mode (``regroup``, ``regroup-restart``, ``torchrun-c10d``)."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """Trainer settings over the scenario's."""
+    spare_nodes: int = 0
+    """Nodes added to the scenario, kept by the job as warm spares (its max unchanged)."""
+
+    def apply(self, scenario: Scenario) -> Scenario:
+        varied = replace(scenario, trainer=_merged(scenario.trainer, self.trainer))
+        return with_spares(varied, self.spare_nodes) if self.spare_nodes else varied
+
+
+VARIANTS: dict[str, Variant] = {
+    "regroup-spares": Variant("regroup", spare_nodes=1),
+    "regroup-no-snapshot": Variant("regroup", {"snapshot": {"every": 0}}),
+}
+"""Modes beyond the demo's own: ``regroup-spares`` is the in-place mode on the scenario
+with one more node, which the job keeps as a warm spare (a loss or a reclaim is answered
+by it, at the same size); ``regroup-no-snapshot`` the in-place mode without in-memory
+snapshots (``--modes``)."""
+MODES: tuple[str, ...] = ("regroup", "regroup-spares", "regroup-restart", "torchrun-c10d", "torchft")
 """The default modes, in the order they are played; the first is the reference of every
 ratio. ``torchft`` only where torchft is installed (``default_modes``)."""
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "regroup-no-snapshot": ("regroup", {"snapshot": {"every": 0}}),
-}
-"""Further modes (``--modes``): a demo mode with trainer settings over the scenario's."""
 TORCHFT_MISSING = f"torchft is not installed: {torchft_peer.INSTALL_HINT}"
 
 
@@ -59,7 +80,7 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
-    from regroup.demo.nodes import RunLayout
+    from regroup.demo.nodes import Mode, RunLayout
     from regroup.demo.runner import run_scenario
     from regroup.telemetry import JsonLinesSpanExporter, configure_logging, configure_tracing
 
@@ -87,11 +108,11 @@ def play(scenario: Scenario, modes: Sequence[str], root: Path) -> list[Path]:
                 asyncio.run(cancelled_by_sigterm(torchft_peer.play_on_torchft(scenario, mode, layout.root)))
                 continue
             router.target = JsonLinesSpanExporter(layout.spans)
-            demo_mode, trainer = VARIANTS.get(mode, (mode, {}))
-            variant = replace(scenario, trainer=_merged(scenario.trainer, trainer))
+            variant = VARIANTS.get(mode, Variant(mode))
             # The live view's line a second goes to a log; the terminal gets the tables.
             with open(layout.logs / "live.log", "w") as live:
-                played = run_scenario(variant, demo_mode, layout, stream=live, live=False)  # type: ignore[arg-type]
+                demo_mode = cast(Mode, variant.mode)
+                played = run_scenario(variant.apply(scenario), demo_mode, layout, stream=live, live=False)
                 asyncio.run(cancelled_by_sigterm(played))
     finally:
         provider.shutdown()

@@ -10,6 +10,7 @@ from typing import Any
 
 from regroup.demo.analysis import RunData, event_impacts, goodput, scripted_events
 from regroup.demo.resizes import reform_latencies, training_at, world_changes
+from regroup.demo.strategy import round_strategies
 from regroup.records import Progress
 
 
@@ -28,8 +29,12 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("reclaim_s", "planned reclaim: taint -> training at {reclaim_ranks}", "s", 1.5),
     Metric("reclaim_lost_steps", "planned reclaim: steps lost", "steps"),
+    Metric("migrate_s", "planned reclaim, a spare waiting: taint -> first step on the spare, at {migrate_ranks}", "s", 1.5),
+    Metric("migrate_lost_steps", "planned reclaim, a spare waiting: steps lost", "steps"),
     Metric("loss_s", "abrupt loss: kill -> training at {loss_ranks}", "s", 1.5),
     Metric("loss_lost_steps", "abrupt loss: steps lost", "steps"),
+    Metric("replace_s", "abrupt loss, a spare waiting: kill -> first step at the same size, {replace_ranks}", "s", 1.5),
+    Metric("replace_lost_steps", "abrupt loss, a spare waiting: steps lost", "steps"),
     Metric("grow_s", "grow: join window closed -> training at {grow_ranks}", "s", 2.0),
     Metric("grow_lost_steps", "grow: steps lost", "steps"),
     Metric("evict_s", "eviction: evicted -> training at {evict_ranks}", "s", 1.5),
@@ -41,6 +46,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("goodput", "goodput (useful training time / wall time)", "%", 0.90),
 )
 _EVENT_KEYS = {"reclaim": "reclaim", "evict": "evict", "drain": "drain", "lose": "loss", "restore": "grow", "uncordon": "grow"}
+_SAME_SIZE_KEYS = {"reclaim": "migrate", "lose": "replace"}
+"""A reclaim or a loss the script answers at the same size (a spare waited): its own rows,
+measured to the first step of the new round at that size (the first step on the spare)."""
+_RANK_KEYS = tuple(f"{key}_ranks" for key in ("reclaim", "migrate", "loss", "replace", "grow", "evict", "drain"))
+_SPARE_KEYS = tuple(f"{key}_{what}" for key in _SAME_SIZE_KEYS.values() for what in ("s", "lost_steps"))
 
 
 def measure(run: RunData, join_window: float) -> dict[str, Any]:
@@ -51,6 +61,8 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
     latencies = reform_latencies(run, join_window)
     for latency in latencies:
         key = _EVENT_KEYS[latency.event.reason]
+        if latency.ranks_after == latency.ranks_before:
+            key = _SAME_SIZE_KEYS.get(latency.event.reason, key)
         if f"{key}_s" in out:
             continue  # a scenario with two of a kind: the table shows the first, the events list all
         out[f"{key}_s"] = latency.seconds
@@ -83,6 +95,7 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
         out["flaky_lost_steps"] = flaky.lost_steps if trained else None
         if not trained:
             out["flaky_note"] = "not training when the node turned flaky"
+    strategies = round_strategies(run)
     out["world_changes"] = [
         {
             "at_s": round(change.at - run.started_at, 2),
@@ -92,6 +105,7 @@ def measure(run: RunData, join_window: float) -> dict[str, Any]:
             "planned": change.planned,
             "mode": change.mode,
             "plan_mode": change.plan_mode,
+            "strategy": strategies[change.round].describe() if change.round in strategies else "",
             "resume_phases": change.resume_phases,
         }
         for change in world_changes(run)
@@ -177,10 +191,16 @@ def metric_table(results: Sequence[dict[str, Any]]) -> list[str]:
     for metric in METRICS:
         if all(metric.key not in r for r in results):
             continue
-        label = metric.label.format(**{k: ours.get(k, "?") for k in ("reclaim_ranks", "loss_ranks", "grow_ranks", "evict_ranks", "drain_ranks")})
+        label = metric.label.format(**{k: _ranks(results, k) for k in _RANK_KEYS})
         cells = [format_value(metric, ours.get(metric.key), _absent(ours, metric))]
         for other in results[1:]:
             cells.append(versus(metric, ours.get(metric.key), other.get(metric.key), _absent(other, metric)))
+        ranks_key = f"{metric.key.removesuffix('_s')}_ranks"
+        if metric.unit == "s" and ranks_key in ours:
+            # A mode that went through other sizes than the label's says which.
+            for i, result in enumerate(results[1:], 1):
+                if ranks_key in result and result[ranks_key] != ours[ranks_key]:
+                    cells[i] += f", at {result[ranks_key]}"
         if metric.key == "grow_s":
             for i, result in enumerate(results):
                 mark = _grow_mark(result)
@@ -188,9 +208,15 @@ def metric_table(results: Sequence[dict[str, Any]]) -> list[str]:
                     cells[i] += f" {mark[0]}"
                     if mark[1] not in footnotes:
                         footnotes.append(mark[1])
-        met = goal_met(metric, ours.get(metric.key))
+        met = goal_met(metric, ours.get(metric.key)) if metric.key in ours else ""
         rows.append(f"| {label} | {_goal_text(metric)} | {' | '.join(cells)} | {met} |")
     return rows + ([""] + footnotes if footnotes else [])
+
+
+def _ranks(results: Sequence[dict[str, Any]], key: str) -> str:
+    """The sizes a row's label names: the reference's, else the first mode's that played it
+    (a spare's rows, where the reference kept none)."""
+    return str(next((r[key] for r in results if key in r), "?"))
 
 
 def _grow_mark(result: dict[str, Any]) -> tuple[str, str] | None:
@@ -219,7 +245,11 @@ def notes(results: Sequence[dict[str, Any]]) -> list[str]:
 def _absent(result: dict[str, Any], metric: Metric) -> str:
     """What a run shows for a metric it has no value for."""
     if metric.key not in result:
-        return "not played"
+        if metric.key in _SPARE_KEYS:
+            return "no spare"
+        event, _, what = metric.key.partition("_")
+        spare_key = {"reclaim": "migrate", "loss": "replace"}.get(event)
+        return "a spare took over" if spare_key and f"{spare_key}_{what}" in result else "not played"
     return "not training" if metric.key.startswith("flaky") else "never"
 
 
@@ -227,7 +257,8 @@ def world_change_table(results: Sequence[dict[str, Any]]) -> list[str]:
     """Markdown rows: every new world of every mode, with how it was reached and the resume split.
 
     ``workers`` is the trainer's word; where the controller's plan recorded another mode,
-    the plan's follows in brackets.
+    the plan's follows in brackets. The cause carries the plan's strategy where it recorded
+    one (``replace``, ``migrate`` or ``elastic``, with the positions handed over).
     """
     rows = ["| mode | t (s) | round | cause | ranks | workers | resume split (s) |", "|---|---|---|---|---|---|---|"]
     for result in results:
@@ -236,8 +267,10 @@ def world_change_table(results: Sequence[dict[str, Any]]) -> list[str]:
             split = ", ".join(f"{p} {phases[p]:.2f}" for p in _ordered(phases))
             total = f" = {sum(phases.values()):.2f}" if phases else ""
             cause = change["cause"] or "(no plan)"
-            if change["cause"] and change["planned"]:
-                cause += " (planned)"
+            how = ", ".join(filter(None, ["planned" if change["cause"] and change["planned"] else "",
+                                          change.get("strategy", "")]))  # fmt: skip
+            if how:
+                cause += f" ({how})"
             workers = change["mode"] or "?"
             if change["cause"] and change["plan_mode"] != change["mode"]:
                 workers += f" (plan: {change['plan_mode'] or 'none'})"

@@ -136,7 +136,7 @@ def test_the_default_modes_leave_torchft_out_where_it_is_not_installed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(torchft_peer, "installed", lambda: False)
-    assert play.default_modes()[0] == ("regroup", "regroup-restart", "torchrun-c10d")
+    assert play.default_modes()[0] == ("regroup", "regroup-spares", "regroup-restart", "torchrun-c10d")
     # A scenario that does not exist stops the command right after the modes are chosen.
     assert cli.main(["--scenario", "no-such-scenario", "--out", str(tmp_path)]) == 2
     said = capsys.readouterr().out.splitlines()

@@ -13,14 +13,15 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from regroup.telemetry import JsonLinesSpanExporter
+from regroup.telemetry import JsonLinesSpanExporter, read_spans
 
 T0 = 1_700_000_000.0
 
 
 def write_reform_spans(path: Path, reforms: list[dict[str, Any]]) -> None:
     """Each dict: start (s after T0), cause, before, after, planned, lost, phases {name: seconds},
-    and optionally mode and resume {sub-phase: seconds} (as a trainer that reports them gives)."""
+    and optionally mode and resume {sub-phase: seconds} (as a trainer that reports them gives),
+    strategy and replaced (``n2->n5``, as a controller that keeps spares records them)."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
     tracer = provider.get_tracer("test")
@@ -37,6 +38,10 @@ def write_reform_spans(path: Path, reforms: list[dict[str, Any]]) -> None:
         }
         if "mode" in r:
             attributes["regroup.reform.mode"] = r["mode"]
+        if "strategy" in r:
+            attributes["regroup.strategy"] = r["strategy"]
+        if "replaced" in r:
+            attributes["regroup.replaced"] = r["replaced"]
         root = tracer.start_span("regroup.reform", start_time=int(start * 1e9), attributes=attributes)
         ctx = trace.set_span_in_context(root)
         at = start
@@ -73,14 +78,15 @@ def progress_rows(incarnations: list[tuple[int, int, int, float, int]], step_s: 
 
 def write_run(root: Path, mode: str, progress: list[dict[str, Any]], events: list[dict[str, Any]],
               duration: float, reforms: list[dict[str, Any]] | None = None,
-              latest_checkpoint_step: int | None = None) -> Path:  # fmt: skip
+              latest_checkpoint_step: int | None = None, meta: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """A run folder; ``meta`` overrides fields of its ``run.json`` (three nodes, job 1 to 3)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "run.json").write_text(
         json.dumps(
             {"mode": mode, "scenario": "test", "job": "demo", "nodes": ["node-1", "node-2", "node-3"],
              "min_nodes": 1, "max_nodes": 3, "nproc_per_node": 1, "duration": duration,
              "started_at": T0, "ended_at": T0 + duration, "events": [],
-             "latest_checkpoint_step": latest_checkpoint_step}
+             "latest_checkpoint_step": latest_checkpoint_step, **(meta or {})}
         )
     )  # fmt: skip
     (root / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
@@ -114,3 +120,58 @@ EVENTS = [
     {"time": 61.0, "source": "fault", "reason": "RankCrashed", "message": "node-1: rank killed"},
     {"time": 63.0, "source": "cluster", "reason": "Cordoned", "message": "restart storm", "nodes": ["node-1"]},
 ]  # fmt: skip
+
+
+# A run of a job at max 4 that keeps one spare (node-5), 12 samples a step: the reclaim of
+# node-2 is migrated to node-5 at the same pace; the loss of node-3, with no spare left,
+# shrinks the job to 3 ranks, whose steps take 4/3 as long; the restore grows it back (node-3
+# waits as the spare) and node-3 then takes flaky node-1's place. The loss's strategy is in
+# its plan only (``plans.jsonl``), the others in their traces.
+SPARES_META = {"scenario": "spares", "nodes": ["node-1", "node-2", "node-3", "node-4", "node-5"],
+               "min_nodes": 2, "max_nodes": 4}  # fmt: skip
+SPARES_WORLDS = [
+    # (resumed_from, first step, last step, start s, ranks, round, seconds a step)
+    (0, 1, 20, 0.0, 4, 1, 0.5),
+    (20, 21, 56, 11.7, 4, 2, 0.5),
+    (55, 56, 72, 32.0, 3, 3, 2 / 3),
+    (72, 73, 94, 49.0, 4, 4, 0.5),
+    (94, 95, 118, 62.5, 4, 5, 0.5),
+]
+SPARES_REFORMS = [
+    {"start": 10.2, "cause": "reclaim", "before": 4, "after": 4, "planned": True, "lost": 0,
+     "phases": {"detect": 0.1, "checkpoint": 0.3, "rendezvous": 0.5, "resume": 0.6},
+     "mode": "in-place", "strategy": "migrate", "replaced": "node-2->node-5"},
+    {"start": 30.1, "cause": "node-lost", "before": 4, "after": 3, "planned": False, "lost": 1,
+     "phases": {"detect": 0.2, "rendezvous": 0.8, "resume": 0.9}, "mode": "in-place"},
+    {"start": 44.5, "cause": "grow", "before": 3, "after": 4, "planned": True, "lost": 0,
+     "phases": {"detect": 3.0, "checkpoint": 0.3, "rendezvous": 0.5, "resume": 0.7},
+     "mode": "in-place", "strategy": "elastic"},
+    {"start": 61.0, "cause": "node-lost", "before": 4, "after": 4, "planned": False, "lost": 1,
+     "phases": {"detect": 0.3, "rendezvous": 0.5, "resume": 0.7},
+     "mode": "in-place", "strategy": "replace", "replaced": "node-1->node-3"},
+]  # fmt: skip
+SPARES_EVENTS = [
+    {"time": 10.0, "source": "scenario", "reason": "reclaim", "message": "reclaim notice on node-2", "nodes": ["node-2"]},
+    {"time": 30.0, "source": "scenario", "reason": "lose", "message": "abrupt loss of node-3", "nodes": ["node-3"]},
+    {"time": 44.0, "source": "scenario", "reason": "restore", "message": "node-2, node-3 come back",
+     "nodes": ["node-2", "node-3"]},
+    {"time": 60.0, "source": "scenario", "reason": "flaky", "message": "node-1 starts crashing", "nodes": ["node-1"]},
+    {"time": 60.8, "source": "fault", "reason": "RankCrashed", "message": "node-1: rank killed", "nodes": ["node-1"]},
+]  # fmt: skip
+
+
+def spares_run(root: Path, mode: str = "regroup") -> Path:
+    """``SPARES_WORLDS`` recorded as a run, with the loss's plan carrying its strategy."""
+    progress = []
+    for resumed_from, first, last, start, ranks, round_, step_s in SPARES_WORLDS:
+        rows = progress_rows([(resumed_from, first, last, start, ranks)], step_s=step_s)
+        progress += [{**row, "round": round_, "reform_mode": "in-place" if round_ > 1 else ""} for row in rows]
+    root = write_run(root, mode, progress, SPARES_EVENTS, 75.0, SPARES_REFORMS, meta=SPARES_META)
+    lost = next(s for s in read_spans(root / "spans.jsonl") if s["start_ns"] == int((T0 + 30.1) * 1e9))
+    plan = {"seen": T0 + 32.5, "generation": 2, "cause": "node-lost", "planned": False, "phase": "done",
+            "reason": "node-3 gone", "nodes_before": ["node-1", "node-5", "node-3", "node-4"],
+            "nodes_after": ["node-1", "node-5", "node-4"], "trace_id": lost["trace_id"], "detected_at": T0 + 30.1,
+            "decided_at": T0 + 30.3, "round_after": 3, "outcome": "completed", "strategy": "elastic",
+            "replaced": {}}  # fmt: skip
+    (root / "plans.jsonl").write_text(json.dumps(plan) + "\n")
+    return root

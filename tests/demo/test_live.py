@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import dataclasses
 
 from regroup.demo.live import LiveSnapshot, LiveView, phase_of, render, render_line
 from regroup.demo.recorder import JobView
@@ -61,3 +62,9 @@ def test_a_terminal_gets_redraws_and_a_pipe_gets_lines() -> None:
     LiveView(lambda: SNAP, stream=pipe, tty=False).draw()
     assert tty.getvalue().startswith("\x1b[H\x1b[J") and tty.getvalue().count("\n") == len(render(SNAP))
     assert pipe.getvalue() == render_line(SNAP) + "\n"
+
+
+def test_the_phase_says_how_the_world_is_kept_where_the_plan_says() -> None:
+    view = JobView()
+    view.plan = dataclasses.replace(_plan("checkpoint"), strategy="migrate", replaced={"node-2": "node-5"})
+    assert phase_of(view, now=100.0) == "re-forming (reclaim, planned, migrate node-2->node-5): checkpoint"

@@ -12,7 +12,9 @@ import pytest
 
 from regroup.controller.cluster import JOB_LABEL, NodeInfo, ObjectRef, PodInfo
 from regroup.demo.local_cluster import LocalCluster
+from regroup.demo.nodes import RunLayout, make_launcher, pod_annotations
 from regroup.demo.processes import AgentCommand
+from regroup.demo.scenario import load_scenario, resolve_scenario_path
 from tests.changes import Changes
 
 # An "agent" that, like torchrun, starts its worker in a session of its own, then waits.
@@ -128,6 +130,48 @@ async def test_a_node_brings_a_labelled_pod_with_the_job_annotations(cluster) ->
     assert (pod.node, pod.job, pod.labels[JOB_LABEL], pod.namespace) == ("node-1", "job-a", "job-a", "default")
     assert pod.annotations["regroup.dev/max-nodes"] == "2"
     assert sink.nodes["node-1"].ready and not sink.nodes["node-1"].unschedulable
+
+
+async def test_a_job_that_wants_spares_says_so_on_its_pods_and_to_its_rendezvous(tmp_path: Path) -> None:
+    """The spares scenario's pods carry ``regroup.dev/spare-nodes`` for the controller; its
+    agents pass ``spare_nodes`` to the etcd-v3 rendezvous, and in place they are
+    ``regroup-run --standby``: a spare's workers are started before it joins, warm."""
+    spares = load_scenario(resolve_scenario_path("spares"))
+    layout = RunLayout(tmp_path / "run")
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    real = make_launcher(spares, "regroup", layout, "127.0.0.1:2379", tmp_path / "trainer.yaml")
+
+    def launch(node: str, pod: str, attempt: int) -> AgentCommand:
+        argv = [sys.executable, str(script), str(attempt), str(tmp_path / f"{node}.pids"), ""]
+        return AgentCommand(argv, {"PATH": "/usr/bin:/bin"}, tmp_path / f"{node}.log")
+
+    local = LocalCluster("default", spares.job.name, pod_annotations(spares, "127.0.0.1:2379"), launch)
+    sink = Sink()
+    source = asyncio.create_task(local.run(sink))
+    try:
+        await local.add_node("node-5")
+        await sink.until(lambda: "node-5-worker" in sink.pods)
+        annotations = sink.pods["node-5-worker"].annotations
+        assert annotations["regroup.dev/spare-nodes"] == "1"
+        assert (annotations["regroup.dev/max-nodes"], annotations["regroup.dev/rdzv-endpoint"]) == ("4", "127.0.0.1:2379")
+    finally:
+        await local.stop()
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
+    argv = real("node-5", "node-5-worker", 0).argv
+    assert argv[1:4] == ["-m", "regroup.rendezvous.inplace.launcher", "--standby"]
+    assert "--rdzv-conf=spare_nodes=1" in argv and "--nnodes=2:4" in argv
+    # The restart path asks for the spare too (its spare's workers start once it is let in);
+    # plain torchrun's c10d rendezvous knows no spares.
+    restart = make_launcher(spares, "regroup-restart", layout, "127.0.0.1:2379", tmp_path / "trainer.yaml")
+    assert "--rdzv-conf=spare_nodes=1" in restart("node-5", "node-5-worker", 0).argv
+    c10d = make_launcher(spares, "torchrun-c10d", layout, "127.0.0.1:29400", tmp_path / "trainer.yaml")
+    assert not any("spare_nodes" in a for a in c10d("node-5", "node-5-worker", 0).argv)
+    # A job that wants none says nothing to its rendezvous.
+    default_scenario = load_scenario(resolve_scenario_path("default"))
+    default = make_launcher(default_scenario, "regroup", layout, "127.0.0.1:2379", tmp_path / "trainer.yaml")
+    assert not any("spare_nodes" in a for a in default("node-1", "node-1-worker", 0).argv)
 
 
 async def test_node_loss_kills_the_agent_and_its_workers_in_their_own_sessions(cluster) -> None:

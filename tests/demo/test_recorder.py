@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from regroup.demo.recorder import JobRecorder
-from regroup.keys import JobKey, JobKeys
-from regroup.records import MemberRecord, Progress
+from regroup.demo.recorder import JobRecorder, JobView
+from regroup.keys import JobKey, JobKeys, KeyKind
+from regroup.records import Exclusions, JoinRecord, MemberRecord, Progress, RoundState
 from tests.changes import Changes
 from tests.etcd_helpers import put_retrying
 
@@ -67,3 +67,47 @@ async def test_an_etcd_restart_records_what_changed_and_nothing_twice(tmp_path, 
         await asyncio.gather(task, return_exceptions=True)
     assert [p["step"] for p in lines(files[0])] == [1, 2, 3]
     assert [m["nodes"] for m in lines(files[1])] == [["n1"], ["n1", "n2"], ["n1"]]
+
+
+def join(node: str, round_: int, not_before: float = 0.0) -> JoinRecord:
+    return JoinRecord(node=node, agent=f"{node}@1.0", round=round_, host="h", joined_at=1.0, not_before=not_before)
+
+
+def round_state(round_: int, nodes: list[str]) -> RoundState:
+    return RoundState(min_nodes=2, max_nodes=4, round=round_, nodes=nodes, agents=[f"{n}@1.0" for n in nodes])
+
+
+def test_a_spare_is_a_node_waiting_outside_a_round_at_max() -> None:
+    view = JobView(round_state=round_state(3, ["n1", "n2", "n5", "n4"]))
+    view.joins = {n: join(n, 4) for n in ("n1", "n2", "n3", "n6", "n7")}
+    view.joins["n7"] = join("n7", 4, not_before=100.0)  # on probation after its workers failed
+    view.excluded = frozenset({"n6"})  # under a reclaim notice
+    assert view.waiting(now=50.0) == ["n3"]
+    assert view.spares(now=50.0, max_nodes=4) == ["n3"]
+    assert view.spares(now=150.0, max_nodes=4) == ["n3", "n7"]
+    # Below max, a waiting node is a joiner the job grows by, not a spare.
+    assert view.spares(now=50.0, max_nodes=5) == []
+
+
+async def test_the_recorder_follows_rounds_joins_and_exclusions(tmp_path, etcd, etcd_settings, etcd_client) -> None:
+    files = tmp_path / "progress.jsonl", tmp_path / "members.jsonl", tmp_path / "plans.jsonl", tmp_path / "rounds.jsonl"
+    recorder = Recorder(etcd_settings, KEYS, *files)
+    task = asyncio.create_task(recorder.run())
+    state = KEYS.key(KeyKind.ROUND_STATE).encode()
+    try:
+        await etcd_client.put(state, round_state(1, ["n1", "n2"]).to_json())
+        await etcd_client.put(KEYS.key(KeyKind.JOIN, node="n3").encode(), join("n3", 2).to_json())
+        await recorder.until(lambda: recorder.view.spares(1e12, 2) == ["n3"])
+        await etcd_client.put(KEYS.excluded.encode(), Exclusions(nodes={"n3": "spot-itn"}).to_json())
+        await recorder.until(lambda: recorder.view.waiting(1e12) == [])
+        await etcd_client.delete(KEYS.excluded.encode())
+        await recorder.until(lambda: recorder.view.waiting(1e12) == ["n3"])
+        # n2 is lost; n3 takes its position in round 2. The same round written again is not a new one.
+        await etcd_client.put(state, round_state(2, ["n1", "n3"]).to_json())
+        await etcd_client.put(state, round_state(2, ["n1", "n3"]).to_json())
+        await etcd_client.delete(KEYS.key(KeyKind.JOIN, node="n3").encode())
+        await recorder.until(lambda: recorder.view.joins == {} and recorder.view.round_state.round == 2)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [(r["round"], r["nodes"]) for r in lines(files[3])] == [(1, ["n1", "n2"]), (2, ["n1", "n3"])]

@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from bench.reform.play import fitting
-from bench.reform.report import METRICS, measure, metric_table, versus, world_change_table
+from bench.reform import cli
+from bench.reform.play import MODES, VARIANTS, fitting
+from bench.reform.report import METRICS, event_table, measure, metric_table, versus, world_change_table
 from regroup.demo.analysis import load_run
 from regroup.demo.resizes import first_progress_at, reform_latencies, reform_plans, scripted_resizes, world_changes
 from regroup.demo.scenario import load_scenario, resolve_scenario_path, with_overrides
-from tests.demo.recorded import T0, progress_rows, write_run
+from tests.demo.recorded import T0, progress_rows, spares_run, write_run
 
 JOIN_WINDOW = 5.0
 # Three nodes: a reclaim of node-2 (10 s notice), the loss of node-3, both back, node-1 flaky.
@@ -249,3 +250,69 @@ def test_each_event_shows_the_longest_stand_still_until_the_next(in_place: Path,
     theirs = measure(load_run(torchrun_run(tmp_path / "torchrun")), JOIN_WINDOW)
     reclaim = theirs["events"][0]
     assert reclaim["event"] == "reclaim" and reclaim["longest_gap_s"] == pytest.approx(30.0 - 19.5, abs=0.6)
+
+
+SPARE_META = {"nodes": ["node-1", "node-2", "node-3", "node-4", "node-5"], "min_nodes": 2, "max_nodes": 4}
+
+
+def replaced_run(root: Path) -> Path:
+    """node-3 is lost at 10 s with node-5 waiting: node-5 takes its position in round 2,
+    the same 4 ranks, from its buddy's copy one step back."""
+    progress = worlds([(0, 1, 20, 0.0, 4, 1, "", {}), (19, 20, 40, 11.2, 4, 2, "in-place", IN_PLACE)])
+    lose = {"time": 10.0, "source": "scenario", "reason": "lose", "message": "abrupt loss of node-3", "nodes": ["node-3"]}
+    root = write_run(root, "regroup", progress, [lose], 25.0, meta=SPARE_META)
+    replaced = plan(1, "node-lost", 10.2, 2, mode="in-place", strategy="replace", replaced={"node-3": "node-5"})
+    (root / "plans.jsonl").write_text(json.dumps(replaced) + "\n")
+    return root
+
+
+def test_the_spares_mode_is_the_in_place_mode_with_one_more_node_kept_waiting() -> None:
+    assert MODES[:2] == ("regroup", "regroup-spares")
+    default = load_scenario(resolve_scenario_path("default"))
+    spares = VARIANTS["regroup-spares"]
+    played = spares.apply(default)
+    assert spares.mode == "regroup"
+    assert played.nodes == (*default.nodes, "node-5") and (played.job.max_nodes, played.job.spare_nodes) == (4, 1)
+    assert played.events == default.events
+    no_snapshot = VARIANTS["regroup-no-snapshot"].apply(default)
+    assert no_snapshot.nodes == default.nodes and no_snapshot.trainer["snapshot"] == {"every": 0}
+
+
+def test_a_mode_name_the_bench_does_not_know_is_refused_naming_the_spares_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["--modes", "regroup,spare", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "unknown mode 'spare'" in error and "regroup-spares" in error
+
+
+def test_with_a_spare_a_reclaim_and_a_loss_are_measured_to_the_first_step_at_the_same_size(tmp_path: Path) -> None:
+    migrated = measure(load_run(spares_run(tmp_path / "migrated", "regroup-spares")), JOIN_WINDOW)
+    # Taint at 10 s, first step on the spare (round 2, 4 ranks) at 11.7 s; the loss after it
+    # found no spare left and shrank the job: its own row.
+    assert migrated["migrate_s"] == pytest.approx(1.7) and migrated["migrate_lost_steps"] == 0
+    assert migrated["migrate_ranks"] == "4 ranks (from 4)" and "reclaim_s" not in migrated
+    assert migrated["loss_ranks"] == "3 ranks (from 4)" and migrated["loss_s"] == pytest.approx(2.0)
+    replaced = measure(load_run(replaced_run(tmp_path / "replaced")), JOIN_WINDOW)
+    assert replaced["replace_s"] == pytest.approx(1.2) and replaced["replace_lost_steps"] == 1
+    assert "loss_s" not in replaced
+    assert [w["strategy"] for w in replaced["world_changes"]] == ["replace node-3->node-5"]
+
+
+def test_the_spares_rows_render_beside_the_elastic_mode(in_place: Path, tmp_path: Path) -> None:
+    elastic = measure(load_run(in_place), JOIN_WINDOW)
+    spares = measure(load_run(spares_run(tmp_path / "spares")), JOIN_WINDOW)
+    spares["mode"] = "regroup-spares"
+    rows = {row.split(" | ")[0].removeprefix("| "): row for row in metric_table([elastic, spares])}
+    migrate = "planned reclaim, a spare waiting: taint -> first step on the spare, at 4 ranks (from 4)"
+    assert rows[migrate] == f"| {migrate} | <= 1.5 s | no spare | 1.70 s (-) |  |"
+    assert rows["planned reclaim, a spare waiting: steps lost"] == (
+        "| planned reclaim, a spare waiting: steps lost |  | no spare | 0 (-) |  |"
+    )
+    # The elastic rows: the spares mode went through other sizes, and says which.
+    loss = rows["abrupt loss: kill -> training at 1 ranks (from 2)"]
+    assert "| 2.00 s (1.3x), at 3 ranks (from 4) |" in loss
+    reclaim = "planned reclaim: taint -> training at 2 ranks (from 3)"
+    assert rows[reclaim] == f"| {reclaim} | <= 1.5 s | 1.50 s | a spare took over (-) | yes |"
+    assert not any(name.startswith("abrupt loss, a spare waiting") for name in rows), "no mode replaced a loss"
+    assert any("| regroup-spares | reclaim node-2 | 10.0 | taint |" in row for row in event_table([elastic, spares]))

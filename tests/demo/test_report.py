@@ -20,7 +20,9 @@ from regroup.demo.analysis import (
     world_size_timeline,
 )
 from regroup.demo.report import build_report, summarize, summary_text
-from tests.demo.recorded import EVENTS, INCARNATIONS, REFORMS, progress_rows, write_run
+from regroup.demo.strategy import reform_strategies, round_strategies
+from regroup.demo.throughput import throughput_around_events
+from tests.demo.recorded import EVENTS, INCARNATIONS, REFORMS, T0, progress_rows, spares_run, write_run
 
 
 @pytest.fixture
@@ -135,3 +137,66 @@ def test_the_reform_table_shows_the_mode_and_the_html_the_resume_split(regroup_r
     # The terminal summary keeps one line per re-form narrow: the mode, not the split.
     summary = summary_text([run], regroup_run / "report.html")
     assert " in-place " in summary and " restart " in summary and "reshard_s" not in summary
+
+
+def test_each_reform_has_the_strategy_its_trace_or_else_its_plan_recorded(tmp_path: Path) -> None:
+    run = load_run(spares_run(tmp_path / "run"))
+    described = [s.describe() if s else None for s in reform_strategies(run)]
+    assert described == ["migrate node-2->node-5", "elastic", "elastic", "replace node-1->node-3"]
+    assert {r: s.name for r, s in round_strategies(run).items()} == {3: "elastic"}
+    # A run whose controller records no strategy shows none (it is never guessed).
+    assert reform_strategies(load_run(write_run(tmp_path / "old", "regroup", progress_rows(INCARNATIONS),
+                                                EVENTS, 75.0, REFORMS))) == [None, None, None]  # fmt: skip
+
+
+def test_throughput_after_a_replacement_equals_before_and_a_shrink_loses_the_lost_share(tmp_path: Path) -> None:
+    around = throughput_around_events(load_run(spares_run(tmp_path / "run")))
+    assert [t.event.reason for t in around] == ["reclaim", "lose", "restore", "flaky"]
+    assert [t.unit for t in around] == ["samples/s"] * 4
+    # 12 samples a step: 0.5 s a step at 4 ranks, 2/3 s at 3.
+    assert [(t.before.per_s, t.after.per_s) for t in around] == [
+        (pytest.approx(24.0), pytest.approx(24.0)), (pytest.approx(24.0), pytest.approx(18.0)),
+        (pytest.approx(18.0), pytest.approx(24.0)), (pytest.approx(24.0), pytest.approx(24.0)),
+    ]  # fmt: skip
+    assert [(t.before.ranks, t.after.ranks) for t in around] == [(4, 4), (4, 3), (3, 4), (4, 4)]
+    assert [round(t.ratio, 2) for t in around] == [1.0, 0.75, 1.33, 1.0]
+    # The windows stay inside one world: the re-form's pause and its first step are not in them.
+    migrate = around[0]
+    assert migrate.before.until - T0 <= 10.0 and migrate.after.since - T0 == pytest.approx(11.7)
+
+
+def test_throughput_without_a_world_formed_after_the_event_is_the_same_worlds(tmp_path: Path) -> None:
+    """An event that needed no re-form (here a reclaim of the node waiting as the spare):
+    after it, the world that trained on."""
+    rows = progress_rows([(0, 1, 60, 0.0, 4)])
+    run = load_run(write_run(tmp_path / "run", "regroup", rows, EVENTS[:1], 30.0))
+    [item] = throughput_around_events(run, window=5.0)
+    assert item.after is not None and item.after.since - T0 >= 10.0 and item.after.until - T0 <= 15.0
+    assert item.ratio == pytest.approx(1.0)
+
+
+def test_the_report_shows_each_reforms_strategy_and_the_throughput_around_each_event(tmp_path: Path) -> None:
+    run = load_run(spares_run(tmp_path / "run"))
+    text = build_report([run], tmp_path / "run" / "report.html").read_text()
+    assert "reclaim (in-place; migrate node-2-&gt;node-5) 1.5" in text
+    assert "node-lost (in-place; replace node-1-&gt;node-3) 1.5" in text
+    assert "<td>re-form strategies</td><td>replace 1, migrate 1, elastic 2</td>" in text
+    [table] = re.findall(r"<h2>Throughput before and after.*?(<table>.*?</table>)", text, re.S)
+    rows = re.findall(r"<tr>(.*?)</tr>", table)
+    assert "<th>samples/s before</th><th>samples/s after</th><th>after / before</th>" in rows[0]
+    cells = [re.findall(r"<td>(.*?)</td>", row) for row in rows[1:]]
+    assert [(c[2], c[3], c[4], c[5], c[6]) for c in cells] == [
+        ("migrate node-2-&gt;node-5", "4 -&gt; 4", "24.0", "24.0", "1.00"),
+        ("elastic", "4 -&gt; 3", "24.0", "18.0", "0.75"),
+        ("elastic", "3 -&gt; 4", "18.0", "24.0", "1.33"),
+        ("replace node-1-&gt;node-3", "4 -&gt; 4", "24.0", "24.0", "1.00"),
+    ]
+    summary = summary_text([run], tmp_path / "run" / "report.html")
+    assert "replace 1, migrate 1, elastic 2" in summary
+    assert "throughput after/before each event (regroup): reclaim 1.00, lose 0.75, restore 1.33, flaky 1.00" in summary
+
+
+def test_a_run_without_strategies_says_so(regroup_run: Path) -> None:
+    run = load_run(regroup_run)
+    assert summarize(run).strategies == {}
+    assert "<td>re-form strategies</td><td>not recorded</td>" in build_report([run], regroup_run / "report.html").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from regroup.demo.scenario import (
     parse_scenario,
     resolve_scenario_path,
     with_overrides,
+    with_spares,
 )
 
 GOOD = {
@@ -64,6 +66,9 @@ def test_an_eviction_is_a_pod_disruption_with_its_grace_period() -> None:
         ({"job": {"min_nodes": "two"}}, "job.min_nodes"),
         ({"job": {"restart_storm": "often"}}, "job.restart_storm"),
         ({"job": {"colour": "red"}}, "job.colour"),
+        ({"job": {"spare_nodes": -1}}, "job.spare_nodes"),
+        ({"job": {"spare_nodes": "one"}}, "job.spare_nodes"),
+        ({"job": {"spare_nodes": True}}, "job.spare_nodes"),
         ({"events": [{"at": "5s", "action": "explode", "node": "node-1"}]}, "events[0].action"),
         ({"events": [{"at": "5s", "action": "lose", "node": "node-9"}]}, "events[0].node"),
         ({"events": [{"at": "5s", "action": "reclaim", "node": "node-1"}]}, "events[0].notice"),
@@ -107,3 +112,37 @@ def test_overrides_are_validated_like_the_file() -> None:
         with_overrides(s, nodes=2)
     with pytest.raises(ScenarioError, match="^--duration:"):
         with_overrides(s, duration="later")
+
+
+def test_spare_nodes_default_to_none_and_go_on_the_pods() -> None:
+    assert parse_scenario(GOOD).job.spare_nodes == 0
+    assert parse_scenario(GOOD).job.annotations()["regroup.dev/spare-nodes"] == "0"
+    s = parse_scenario({**GOOD, "nodes": 4, "job": {"min_nodes": 1, "max_nodes": 3, "spare_nodes": 1}})
+    assert s.job.spare_nodes == 1 and s.job.annotations()["regroup.dev/spare-nodes"] == "1"
+
+
+def test_the_spares_scenario_plays_the_default_churn_with_one_spare() -> None:
+    spares = load_scenario(resolve_scenario_path("spares"))
+    default = load_scenario(resolve_scenario_path("default"))
+    assert spares.nodes == (*default.nodes, "node-5")
+    assert (spares.job.min_nodes, spares.job.max_nodes, spares.job.spare_nodes) == (2, 4, 1)
+    assert spares.events == default.events and spares.duration == default.duration
+    assert spares.job == replace(default.job, spare_nodes=1)
+
+
+def test_with_spares_adds_nodes_beyond_the_max_the_job_keeps_waiting() -> None:
+    default = load_scenario(resolve_scenario_path("default"))
+    spared = with_spares(default, 1)
+    assert spared.nodes == (*default.nodes, "node-5")
+    assert (spared.job.max_nodes, spared.job.spare_nodes) == (4, 1)
+    assert spared.events == default.events
+    named = parse_scenario({**GOOD, "nodes": ["a", "node-7", "b"], "events": []})
+    assert with_spares(named, 2).nodes == ("a", "node-7", "b", "node-8", "node-9")
+
+
+def test_nodes_override_keeps_the_spares_the_job_wants() -> None:
+    spares = load_scenario(resolve_scenario_path("spares"))
+    more = with_overrides(spares, nodes=7)
+    assert (len(more.nodes), more.job.max_nodes, more.job.spare_nodes) == (7, 6, 1)
+    with pytest.raises(ScenarioError, match=r"^--nodes: .*job.min_nodes \(2\) and job.spare_nodes \(1\)"):
+        with_overrides(replace(spares, events=()), nodes=2)
