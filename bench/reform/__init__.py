@@ -5,9 +5,10 @@ mode after the other on the same machine:
 
 - ``regroup``: ``regroup-run --standby`` with the controller; workers survive a re-form
   in place (same process, new process group);
-- ``regroup-spares``: the same on the scenario with one more node, which the job keeps as
-  a warm spare (``spare_nodes: 1``): a reclaim or a loss is answered by the waiting node,
-  in the leaving node's position, at the same size, as long as a spare is left;
+- ``regroup-spares``: the same on the scenario with two more nodes, which the job keeps as
+  warm spares (``spare_nodes: 2``): a reclaim or a loss is answered by a waiting node, in
+  the leaving node's position, at the same size, as long as a spare is left (two, so that
+  the default scenario's loss, which comes while the reclaimed node is away, finds one);
 - ``regroup-restart``: the same rendezvous and controller, plain torchrun agents: every
   re-form restarts every worker;
 - ``torchrun-c10d``: plain torchrun, c10d rendezvous, no controller;

@@ -33,12 +33,13 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {
-    "regroup-spares": Variant("regroup", spare_nodes=1),
+    "regroup-spares": Variant("regroup", spare_nodes=2),
     "regroup-no-snapshot": Variant("regroup", {"snapshot": {"every": 0}}),
 }
 """Modes beyond the demo's own: ``regroup-spares`` is the in-place mode on the scenario
-with one more node, which the job keeps as a warm spare (a loss or a reclaim is answered
-by it, at the same size); ``regroup-no-snapshot`` the in-place mode without in-memory
+with two more nodes, which the job keeps as warm spares (a loss or a reclaim is answered
+by one, at the same size; two, so that the default scenario's loss, which comes while the
+reclaimed node is away, still finds one); ``regroup-no-snapshot`` the in-place mode without in-memory
 snapshots (``--modes``)."""
 MODES: tuple[str, ...] = ("regroup", "regroup-spares", "regroup-restart", "torchrun-c10d", "torchft")
 """The default modes, in the order they are played; the first is the reference of every

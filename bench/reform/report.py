@@ -29,7 +29,7 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("reclaim_s", "planned reclaim: taint -> training at {reclaim_ranks}", "s", 1.5),
     Metric("reclaim_lost_steps", "planned reclaim: steps lost", "steps"),
-    Metric("migrate_s", "planned reclaim, a spare waiting: taint -> first step on the spare, at {migrate_ranks}", "s", 1.5),
+    Metric("migrate_s", "planned reclaim, a spare waiting: taint -> first step on the spare, at {migrate_ranks}", "s", 1.0),
     Metric("migrate_lost_steps", "planned reclaim, a spare waiting: steps lost", "steps"),
     Metric("loss_s", "abrupt loss: kill -> training at {loss_ranks}", "s", 1.5),
     Metric("loss_lost_steps", "abrupt loss: steps lost", "steps"),
