@@ -266,13 +266,14 @@ def replaced_run(root: Path) -> Path:
     return root
 
 
-def test_the_spares_mode_is_the_in_place_mode_with_one_more_node_kept_waiting() -> None:
+def test_the_spares_mode_is_the_in_place_mode_with_two_more_nodes_kept_waiting() -> None:
     assert MODES[:2] == ("regroup", "regroup-spares")
     default = load_scenario(resolve_scenario_path("default"))
     spares = VARIANTS["regroup-spares"]
     played = spares.apply(default)
     assert spares.mode == "regroup"
-    assert played.nodes == (*default.nodes, "node-5") and (played.job.max_nodes, played.job.spare_nodes) == (4, 1)
+    assert played.nodes == (*default.nodes, "node-5", "node-6")
+    assert (played.job.max_nodes, played.job.spare_nodes) == (4, 2)
     assert played.events == default.events
     no_snapshot = VARIANTS["regroup-no-snapshot"].apply(default)
     assert no_snapshot.nodes == default.nodes and no_snapshot.trainer["snapshot"] == {"every": 0}
@@ -305,7 +306,7 @@ def test_the_spares_rows_render_beside_the_elastic_mode(in_place: Path, tmp_path
     spares["mode"] = "regroup-spares"
     rows = {row.split(" | ")[0].removeprefix("| "): row for row in metric_table([elastic, spares])}
     migrate = "planned reclaim, a spare waiting: taint -> first step on the spare, at 4 ranks (from 4)"
-    assert rows[migrate] == f"| {migrate} | <= 1.5 s | no spare | 1.70 s (-) |  |"
+    assert rows[migrate] == f"| {migrate} | <= 1 s | no spare | 1.70 s (-) |  |"
     assert rows["planned reclaim, a spare waiting: steps lost"] == (
         "| planned reclaim, a spare waiting: steps lost |  | no spare | 0 (-) |  |"
     )
