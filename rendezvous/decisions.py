@@ -219,15 +219,19 @@ def _joiners(view: JobView, target: int, bench: frozenset[str] = frozenset()) ->
         j for j in view.joins.values()
         if j.round == target and alive.get(j.agent) == j.node and j.node not in excluded and j.agent not in bench
     ]
-    return round_order(view.state.agents if view.state else (), joins)
+    return round_order(view.state.agents if view.state else (), joins, view.members)
 
 
-def round_order(previous: Sequence[str], joins: list[JoinRecord]) -> list[JoinRecord]:
+def round_order(
+    previous: Sequence[str], joins: list[JoinRecord], members: Mapping[str, MemberRecord] | None = None
+) -> list[JoinRecord]:
     """The next round's members in rank order: each member of the previous round (agents
     ``previous``, in rank order) that joins keeps its position; the positions of those that
     do not (lost, left out, excluded, on probation) go to the newcomers in join order; the
     remaining newcomers follow, and positions still vacant are dropped (the members after
-    them move up, keeping their relative order).
+    them move up, keeping their relative order). Newcomers go by how long their agents have
+    waited (their registration in ``members``): a spare renews its join record after every
+    round that forms without it, so the record's own time says only when it last did.
 
     A node that takes a leaving node's position takes its ranks: an agent's rank in the
     round is its group rank, and torch's ``_assign_worker_ranks`` gives each agent the
@@ -245,7 +249,13 @@ def round_order(previous: Sequence[str], joins: list[JoinRecord]) -> list[JoinRe
             newcomers.append(j)
         else:
             held_by[index] = j
-    newcomers.sort(key=lambda j: (j.joined_at, j.node))
+    registered = members or {}
+
+    def waited(j: JoinRecord) -> tuple[float, float, str]:
+        member = registered.get(j.node)
+        return (member.joined_at if member is not None else j.joined_at, j.joined_at, j.node)
+
+    newcomers.sort(key=waited)
     arrivals = iter(newcomers)
     order: list[JoinRecord] = []
     for held in held_by:

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 def done(cause: ReformCause, nodes_after: list[str]) -> Any:
-    return lambda p: (p.phase == ReformPhase.DONE and p.cause == cause and p.nodes_after == nodes_after)
+    """A finished plan of ``cause`` to ``nodes_after``, in whatever positions the round gave them."""
+    return lambda p: (p.phase == ReformPhase.DONE and p.cause == cause and sorted(p.nodes_after) == nodes_after)
 
 
 async def evict(bed: Bed, kube_client: Any, node: str, grace: int) -> float:

@@ -437,3 +437,17 @@ def test_settings_read_spare_nodes_as_a_count() -> None:
     for bad in ("-1", "two", "1.5"):
         with pytest.raises(SettingsError, match="spare_nodes: expected a whole number >= 0"):
             parse_settings(conf={"spare_nodes": bad}, **base)  # type: ignore[arg-type]
+
+
+def test_the_spare_that_waited_longest_takes_the_place_whenever_it_last_renewed_its_join() -> None:
+    """Spares renew their join records after every round that forms without them, so the
+    records' times say nothing of who came first: the agents' registrations do."""
+    state = formed(["a", "b"], round=3)
+    members = {"a": member("a"), "c": member("c", registered=5.0), "d": member("d", registered=9.0)}  # b is lost
+    joins = [
+        dataclasses.replace(join(node, 4, at=at), agent=agent_id(members[node]))
+        for node, at in (("a", 50.0), ("c", 40.0), ("d", 30.0))
+    ]
+    v = JobView(state=state, state_revision=7, members=members, joins={j.node: j for j in joins})
+    closed = plan_close(v, now=60.0, bounds=Bounds(1, 2, 1.0))
+    assert isinstance(closed, CloseRound) and closed.state.nodes == ["a", "c"]

@@ -55,9 +55,15 @@ def test_a_member_that_fails_leaves_alone_and_the_others_re_form(agents: Agents)
 def test_a_joiner_that_gives_up_leaves_alone_and_the_job_runs_on(agents: Agents) -> None:
     a, b = agents.make("n0", (1, 2)), agents.make("n1", (1, 2))
     [f.result(20) for f in agents.join(a, b)]
+    # The job is at max: n2 is a spare, and waits past its join_timeout while the job runs
+    # (tests/rendezvous/test_spares.py), until it is told to stop.
     extra = agents.make("n2", (1, 2), join_timeout="0.5")
+    waiting = agents.join(extra)[0]
+    wait_until(lambda: "n2" in a.view.joins, 10, "n2's join record")
+    now = time.time()
+    extra.notice_leaving(now, now + 30, now, "the test says stop")
     with pytest.raises(RendezvousError):
-        extra.next_rendezvous()  # the job is at max: no round for n2 within its timeout
+        waiting.result(20)
     assert extra.shutdown() is True
     assert not a.is_closed() and not b.is_closed()
 
