@@ -34,7 +34,7 @@ from regroup.controller.signals import (
     signal_key,
 )
 from regroup.controller.snapshot import Cordon, DeletePod, JobSnapshot, PostEvent
-from regroup.records import MemberRecord, ReformOutcome, ReformPhase
+from regroup.records import MemberRecord, ReformOutcome, ReformPhase, ReformPlan
 
 
 class Health:
@@ -63,9 +63,9 @@ class Health:
         notice into a loss (the decision looks again then)."""
 
 
-def world_of(s: JobSnapshot) -> AbstractSet[str]:
-    """Nodes of the job's current round, including members that vanished from it."""
-    world = s.world_seen  # the model adds every member of world_round to it
+def plan_of_round(s: JobSnapshot) -> ReformPlan | None:
+    """The completed plan that made the job's current round (its nodes, in the order the
+    rendezvous formed them), if the last plan did."""
     plan = s.plan
     if (
         plan is not None
@@ -73,6 +73,15 @@ def world_of(s: JobSnapshot) -> AbstractSet[str]:
         and plan.outcome == ReformOutcome.COMPLETED
         and plan.round_after == s.world_round
     ):
+        return plan
+    return None
+
+
+def world_of(s: JobSnapshot) -> AbstractSet[str]:
+    """Nodes of the job's current round, including members that vanished from it."""
+    world = s.world_seen  # the model adds every member of world_round to it
+    plan = plan_of_round(s)
+    if plan is not None:
         world = world.union(plan.nodes_after)
     return world
 

@@ -16,7 +16,8 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from regroup.controller.snapshot import JobSnapshot
-from regroup.records import ReformOutcome, ReformPhase, ReformPlan, ReformStrategy
+from regroup.controller.decide.health import plan_of_round
+from regroup.records import ReformPlan, ReformStrategy
 
 
 def round_order(s: JobSnapshot, world: AbstractSet[str]) -> list[str]:
@@ -25,15 +26,8 @@ def round_order(s: JobSnapshot, world: AbstractSet[str]) -> list[str]:
     else by name. Nodes the order does not name (seen in the round, never listed) come last,
     by name."""
     order: Sequence[str] = s.world_order
-    if not order:
-        plan = s.plan
-        if (
-            plan is not None
-            and plan.phase == ReformPhase.DONE
-            and plan.outcome == ReformOutcome.COMPLETED
-            and plan.round_after == s.world_round
-        ):
-            order = plan.nodes_after
+    if not order and (plan := plan_of_round(s)) is not None:
+        order = plan.nodes_after
     ordered = list(filter(world.__contains__, order))  # in C: a round may hold hundreds
     if len(ordered) == len(world):
         return ordered
