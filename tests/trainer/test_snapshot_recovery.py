@@ -49,17 +49,21 @@ COMMON: dict[str, Any] = {
 }
 
 
+def straight_run(root: Path, ranks: int, common: dict[str, Any]) -> tuple[Path, dict[int, float]]:
+    """A run of ``ranks`` that never loses a node: its checkpoint root and its loss per step."""
+    # No step-time floor: it paces the job for the test to act, and changes no number.
+    config = write_config(
+        root / "train.yaml", **{**common, "step_time_floor": "0s"}, checkpoint={"dir": str(root / "ckpt")}
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    done = check(torchrun(ranks, config, env, timeout=300))
+    return root / "ckpt", step_losses(done.stderr)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
     """The run that never lost a node: its checkpoint root and its loss per step."""
-    root = tmp_path_factory.mktemp("straight")
-    # No step-time floor: it paces the job for the test to act, and changes no number.
-    config = write_config(
-        root / "train.yaml", **{**COMMON, "step_time_floor": "0s"}, checkpoint={"dir": str(root / "ckpt")}
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = check(torchrun(len(NODES), config, env, timeout=300))
-    return root / "ckpt", step_losses(done.stderr)
+    return straight_run(tmp_path_factory.mktemp("straight"), len(NODES), COMMON)
 
 
 def _steps_done(folder: Path, world: int) -> list[int]:
@@ -94,8 +98,13 @@ def _lost_steps(job: InPlaceJob, shrunk: Progress) -> int:
     return reached - shrunk.resumed_from_step
 
 
-def _finish_and_compare(
-    job: InPlaceJob, survivors: list[str], straight: tuple[Path, dict[int, float]], scratch: Path
+def finish_and_compare(
+    job: InPlaceJob,
+    survivors: list[str],
+    straight: tuple[Path, dict[int, float]],
+    scratch: Path,
+    steps: int = STEPS,
+    global_batch: int = GLOBAL_BATCH,
 ) -> None:
     """The survivors train to the end; every step's loss and the final state match the run
     that never lost a node, and the sample log shows no sample skipped."""
@@ -105,11 +114,11 @@ def _finish_and_compare(
     for node in sorted(job.procs, key=lambda n: n in survivors):
         got.update(step_losses(job.log(node)))  # a step trained again after a loss: its last loss wins
     ckpt, expected = straight
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
-    a = flat_tensors(full_state(ckpt, STEPS, scratch))
-    b = flat_tensors(full_state(job.root / "ckpt", STEPS, scratch))
+    a = flat_tensors(full_state(ckpt, steps, scratch))
+    b = flat_tensors(full_state(job.root / "ckpt", steps, scratch))
     assert sorted(a) == sorted(b)
     worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
     assert worst < PARAM_ATOL, f"largest parameter/optimizer-state difference {worst}"
@@ -117,7 +126,7 @@ def _finish_and_compare(
     for path in (job.root / "samples").glob("samples-*.jsonl"):
         for line in path.read_text().splitlines():
             trained.update(json.loads(line)["ids"])
-    assert sorted(trained) == list(range(STEPS * GLOBAL_BATCH)), "no sample skipped"
+    assert sorted(trained) == list(range(steps * global_batch)), "no sample skipped"
 
 
 def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_falls_back(
@@ -163,7 +172,7 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
         )
         assert "load" in fallen.resume_phases and "reshard" not in fallen.resume_phases, fallen.resume_phases
         assert fallen.resumed_from_step % 4 == 0 and fallen.resumed_from_step >= before.extra["last_committed_step"]
-        _finish_and_compare(job, [left[0]], straight, tmp_path)
+        finish_and_compare(job, [left[0]], straight, tmp_path)
     finally:
         job.close()
 
@@ -218,7 +227,7 @@ def test_on_a_busy_machine_a_node_lost_without_notice_costs_at_most_max_every_st
         assert 1 <= shrunk.extra["snapshot_every"] <= max_every
         widest = max(e["every"] for node in NODES for e in job.events(node, "snapshot interval"))
         assert widest <= max_every, f"auto chose every {widest} with max_every {max_every}"
-        _finish_and_compare(job, [n for n in NODES if n != lost], straight, tmp_path)
+        finish_and_compare(job, [n for n in NODES if n != lost], straight, tmp_path)
     finally:
         job.close()
 

@@ -12,10 +12,7 @@ loss shrinks the job as before.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +22,8 @@ import pytest
 from regroup.demo.etcd_server import EtcdServer
 from regroup.exit_codes import LEFT_JOB
 from regroup.records import Progress
-from tests.conftest import REPO
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
-from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL
+from tests.trainer.test_snapshot_recovery import finish_and_compare, straight_run
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +42,7 @@ COMMON: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
     """The run at two ranks that never lost a node: its checkpoint root and its loss per step."""
-    root = tmp_path_factory.mktemp("straight")
-    config = write_config(
-        root / "train.yaml", **{**COMMON, "step_time_floor": "0s"}, checkpoint={"dir": str(root / "ckpt")}
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = check(torchrun(len(ACTIVE), config, env, timeout=300))
-    return root / "ckpt", step_losses(done.stderr)
+    return straight_run(tmp_path_factory.mktemp("straight"), len(ACTIVE), COMMON)
 
 
 @pytest.fixture
@@ -166,25 +155,7 @@ def test_two_nodes_killed_are_replaced_by_two_spares_in_their_positions_then_the
     assert "reshard" in alone.resume_phases, alone.resume_phases
     assert _resharded(job, "d")["layout"] == "changed"
 
-    assert job.procs["d"].wait(240) == 0, job.log("d")[-3000:]
-    got: dict[int, float] = {}
-    for node in ("a", "b", "c", "d"):  # a step trained again after a loss: its last loss wins
-        got.update(step_losses(job.log(node)))
-    _, expected = straight
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
-    for step in expected:
-        assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
-    ckpt, _ = straight
-    a = flat_tensors(full_state(ckpt, STEPS, tmp_path))
-    b = flat_tensors(full_state(job.root / "ckpt", STEPS, tmp_path))
-    assert sorted(a) == sorted(b)
-    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
-    assert worst < PARAM_ATOL, f"largest parameter/optimizer-state difference {worst}"
-    trained: Counter[int] = Counter()
-    for path in (job.root / "samples").glob("samples-*.jsonl"):
-        for line in path.read_text().splitlines():
-            trained.update(json.loads(line)["ids"])
-    assert sorted(trained) == list(range(STEPS * GLOBAL_BATCH)), "no sample skipped"
+    finish_and_compare(job, ["d"], straight, tmp_path, steps=STEPS, global_batch=GLOBAL_BATCH)
 
 
 def test_a_planned_leave_migrates_to_the_spare_with_no_step_lost(job: InPlaceJob) -> None:
