@@ -7,19 +7,23 @@ group; the survivors then hold every old rank's shards between them, and the new
 rebuilds its sharding from memory (``regroup.trainer.reshard.redistribute``) instead of reading
 the checkpoint just written. Donors are spread over survivors round-robin.
 
-A donor's shards travel as one flat buffer per dtype, not one message per tensor: the
-hand-off is on a planned re-form's critical path, and a model's state has a few hundred
-tensors, each a round trip of its own on gloo.
+A donor sends only its shards: the replicated entries (DDP's whole state, AdamW's
+``step``) are the keeper's own already, at the same step. The shards travel as flat
+buffers per dtype in messages of at most ``reshard.BUCKET_BYTES``: the hand-off is on a
+planned re-form's critical path, a model's state has a few hundred tensors, each a round
+trip of its own on gloo, and a donor makes no whole copy of its state to send it.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from regroup.trainer.reshard import HeldState
+from regroup.trainer import reshard
+from regroup.trainer.reshard import NONE, HeldState
 
 
 def hand_off(held: HeldState, leaving: bool, group: dist.ProcessGroup | None = None) -> list[HeldState]:
@@ -50,6 +54,12 @@ def _by_dtype(local: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[tor
     return groups
 
 
+def _messages(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
+    """(start, end) element ranges of one dtype's flat buffer, at most ``BUCKET_BYTES`` each."""
+    total, per = sum(sizes), max(1, reshard.BUCKET_BYTES // itemsize)
+    return [(start, min(start + per, total)) for start in range(0, total, per)]
+
+
 def _send(held: HeldState, dst: int, group: dist.ProcessGroup | None) -> None:
     local = {k: (tuple(held.tensors[k].shape), held.tensors[k].dtype) for k in held.sharded}
     meta = {
@@ -57,14 +67,30 @@ def _send(held: HeldState, dst: int, group: dist.ProcessGroup | None) -> None:
         "old_world_size": held.old_world_size,
         "step": held.step,
         "local": local,
-        "plain": {k: v.cpu() for k, v in held.tensors.items() if k not in held.sharded},
         "shapes": held.shapes,
         "values": held.values,
     }
     dist.send_object_list([meta], dst=dst, group=group)
-    for keys in _by_dtype(local).values():
-        flat = torch.cat([held.tensors[k].reshape(-1) for k in keys])
-        dist.send(flat, dst=dst, group=group)
+    for dtype, keys in _by_dtype(local).items():
+        parts = [held.tensors[k].reshape(-1) for k in keys]
+        sizes = [p.numel() for p in parts]
+        bounds = [0, *accumulate(sizes)][:-1]
+        for start, end in _messages(sizes, dtype.itemsize):
+            runs = [
+                (part, max(start, lo) - lo, min(end, lo + part.numel()) - lo)
+                for part, lo in zip(parts, bounds, strict=False)
+                if max(start, lo) < min(end, lo + part.numel())
+            ]
+            if len(runs) == 1:  # inside one tensor: sent from its own memory
+                part, a, b = runs[0]
+                dist.send(part[a:b], dst=dst, group=group)
+                continue
+            message = torch.empty(end - start, dtype=dtype, device=parts[0].device)
+            offset = 0
+            for part, a, b in runs:
+                message[offset : offset + b - a].copy_(part[a:b])
+                offset += b - a
+            dist.send(message, dst=dst, group=group)
 
 
 def _receive(src: int, group: dist.ProcessGroup | None) -> HeldState:
@@ -77,10 +103,10 @@ def _receive(src: int, group: dist.ProcessGroup | None) -> HeldState:
         shapes = [meta["local"][k][0] for k in keys]
         sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.recv(flat, src=src, group=group)
-        for key, shape, part in zip(keys, shapes, flat.split(sizes)):
+        for start, end in _messages(sizes, dtype.itemsize):
+            dist.recv(flat[start:end], src=src, group=group)
+        for key, shape, part in zip(keys, shapes, flat.split(sizes), strict=True):
             tensors[key] = part.view(shape)
-    tensors.update({k: v.to(device) for k, v in meta["plain"].items()})
     return HeldState(
         meta["old_rank"],
         meta["old_world_size"],
@@ -89,6 +115,7 @@ def _receive(src: int, group: dist.ProcessGroup | None) -> HeldState:
         frozenset(meta["local"]),
         meta["shapes"],
         meta["values"],
+        NONE,
     )
 
 

@@ -1,21 +1,21 @@
-"""Growing the world in memory: survivors of a re-form keep their FSDP2 shards and send
-them over the new process group, newcomers receive theirs; no checkpoint is read.
-
-When the new world has the old one's size (a spare took a lost or leaving node's
-position), new rank r's shards are exactly old rank r's: ranks that hold their own keep
-them, and only the replaced positions receive theirs, point to point from one holder.
-Any other change of size re-cuts every tensor from all-gathers.
+"""Re-forming the world in memory: survivors keep their shards, newcomers receive theirs,
+and every rank of the new world fills its freshly built model and optimizer; no checkpoint
+is read.
 
 The state is the one DCP checkpoints hold (``get_state_dict``: FQN keys, the optimizer's
 state keyed by FQN), flattened into sorted string keys that every rank derives alike, so
 a newcomer's fresh model and optimizer give the same keys as a survivor's held state.
+Sharded entries (FSDP2's DTensors) are cut by rows; replicated ones (plain tensors: DDP's
+whole state, AdamW's ``step``) are the same on every rank. Which bytes go where is
+``regroup.trainer.reshard_plan``; every tensor travels as its own bytes over point-to-point
+messages of bounded size (``regroup.trainer.reshard_transfer``), and lands in the new
+model's and optimizer's own tensors, so nothing of the held state outlives the re-form.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,26 +25,56 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+from regroup.trainer.reshard_plan import (
+    CHUNK,
+    NONE,
+    WHOLE,
+    Choice,
+    Entry,
+    Info,
+    choose,
+    chunk_rows,
+    plan_messages,
+    plan_pieces,
+)
+from regroup.trainer.reshard_transfer import carry_out
+
+__all__ = [
+    "BUCKET_BYTES", "CHUNK", "NONE", "WHOLE", "Choice", "HeldState", "Info", "Moved", "can_redistribute", "choose",
+    "chunk_rows", "flat_state", "forget_old_meshes", "hold_state", "last_moved", "redistribute", "split_state",
+]  # fmt: skip
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _MODEL, _OPTIM = "model/", "optim/"
+
+BUCKET_BYTES = 64 << 20
+"""About the most bytes of messages a rank holds at once while the state moves, each way."""
 
 
 @dataclass(frozen=True)
 class HeldState:
-    """What one surviving rank holds before it leaves its old process group."""
+    """What one rank holds of one old rank's state, at one step, for the next world."""
 
     old_rank: int
     old_world_size: int
     step: int
     tensors: dict[str, torch.Tensor]
-    """Flat key -> this rank's local shard (DTensor entries) or the whole value (plain
-    tensors, e.g. AdamW's ``step``). Shards alias the old model's and optimizer's storage."""
+    """Flat key -> this old rank's local shard (sharded entries) or the replicated value,
+    whole or as its flat chunk (``replicated``). A live state aliases the old model's and
+    optimizer's memory; a snapshot's, the snapshot buffers."""
     sharded: frozenset[str]
     """Keys whose value is the ``Shard(0)`` local shard of a DTensor on a 1-D mesh."""
     shapes: dict[str, tuple[int, ...]]
-    """Global shape of every key in ``tensors``."""
+    """Global shape of every tensor entry."""
     values: dict[str, Any]
     """Non-tensor entries: the optimizer's param-group settings (lr, betas, ...)."""
+    replicated: str = WHOLE
+    """How the replicated entries are held: ``whole`` (a live state), ``chunk`` (a snapshot:
+    the old rank's flat chunk, 1-D) or ``none`` (shards a leaving rank handed over)."""
+
+    @property
+    def info(self) -> Info:
+        return Info(self.old_rank, self.old_world_size, self.step, self.replicated)
 
 
 def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -82,14 +112,15 @@ def forget_old_meshes() -> None:
 def hold_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, old_rank: int, old_world_size: int, step: int
 ) -> HeldState:
-    """Capture this rank's shards (call before tearing down the old process group); no
-    communication. Do not step the old optimizer afterwards: the shards are not copied.
-    Also calls ``forget_old_meshes``, so the next world's model gets fresh meshes."""
+    """Capture this rank's state (call before tearing down the old process group); no
+    communication and no copy: the held tensors alias the old model's and optimizer's, so
+    do not step the old optimizer afterwards. Also calls ``forget_old_meshes``, so the next
+    world's model gets fresh meshes."""
     state = split_state(flat_state(model, optimizer))
     tensors: dict[str, torch.Tensor] = {}
     for key, value in state.tensors.items():
         if not isinstance(value, DTensor):
-            tensors[key] = value.detach().clone()
+            tensors[key] = value.detach()
             continue
         if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
             raise ValueError(f"{key}: held state must be Shard(0) on a 1-D mesh, not {value.placements}")
@@ -100,60 +131,7 @@ def hold_state(
     return HeldState(old_rank, old_world_size, step, tensors, state.sharded, state.shapes, state.values)
 
 
-Info = tuple[int, int, int]
-"""(old_rank, old_world_size, step) of one held state."""
-
-
-def _as_list(entry: Info | list[Info] | None) -> list[Info]:
-    if entry is None:
-        return []
-    return list(entry) if isinstance(entry, list) else [entry]
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Which held states rebuild the old world: the newest step at which the survivors
-    between them hold every old rank's shards, and who contributes each."""
-
-    step: int
-    old_world_size: int
-    sources: dict[int, tuple[int, int]]
-    """Old rank -> (new rank holding it, index in that rank's list of held states)."""
-
-    def mine(self, new_rank: int) -> list[int]:
-        """Indices into ``new_rank``'s held states that it contributes, by old rank."""
-        return [j for _, (holder, j) in sorted(self.sources.items()) if holder == new_rank]
-
-    def slot(self, old_rank: int) -> tuple[int, int]:
-        """(holding new rank, position among what it contributes) of ``old_rank``."""
-        holder, j = self.sources[old_rank]
-        return holder, self.mine(holder).index(j)
-
-
-def choose(infos: list[Info | list[Info] | None]) -> Choice | str:
-    """Per new rank, the (old_rank, old_world_size, step) of every state it holds (a list:
-    its own, shards a leaving rank handed it, in-memory snapshots and buddy copies), or None
-    for a newcomer. The newest step whose states cover the old ranks 0..W-1 wins; a rank
-    held twice at that step is taken from the lowest new rank. A string says why none can."""
-    present = [(new_rank, j, info) for new_rank, entry in enumerate(infos) for j, info in enumerate(_as_list(entry))]
-    if not present:
-        return "no rank holds state"
-    sizes = {w for _, _, (_, w, _) in present}
-    if len(sizes) > 1:
-        return f"survivors disagree on the old world size: {sorted(sizes)}"
-    (size,) = sizes
-    for step in sorted({s for _, _, (_, _, s) in present}, reverse=True):
-        sources: dict[int, tuple[int, int]] = {}
-        for new_rank, j, (old_rank, _, s) in present:
-            if s == step and 0 <= old_rank < size:
-                sources.setdefault(old_rank, (new_rank, j))
-        if len(sources) == size:
-            return Choice(step, size, sources)
-    steps = sorted({s for _, _, (_, _, s) in present})
-    return f"no step at which the old ranks 0..{size - 1} are all held (steps held: {steps})"
-
-
-def can_redistribute(infos: list[Info | list[Info] | None]) -> bool:
+def can_redistribute(infos: list[Any]) -> bool:
     """True iff ``choose`` finds a step at which the survivors hold the whole old world."""
     return isinstance(choose(infos), Choice)
 
@@ -166,9 +144,20 @@ class Moved:
     """``same``: the new world has the old one's size, so new rank r's shards are old rank
     r's; ``changed``: another size, every tensor re-cut."""
     received_bytes: int
-    """Shard bytes this rank received from other ranks (the small entries not counted)."""
+    """Bytes this rank received from other ranks (shards and replicated entries)."""
     sent_bytes: int
-    """Shard bytes of this rank that reached other ranks."""
+    """Bytes of this rank's held states that reached other ranks."""
+    transfer_s: float = 0.0
+    """Seconds the copies and messages took (the rest of ``redistribute``: gathering what
+    every rank holds, building the new optimizer's state, loading it)."""
+    received_from: dict[int, int] = field(default_factory=dict)
+    """Peer rank -> bytes received from it."""
+    sent_to: dict[int, int] = field(default_factory=dict)
+    """Peer rank -> bytes sent to it."""
+
+    def summary(self) -> dict[str, Any]:
+        """The fields of the resume's log event."""
+        return {"layout": self.layout, "received_bytes": self.received_bytes, "sent_bytes": self.sent_bytes}
 
 
 _last_moved: Moved | None = None
@@ -179,6 +168,13 @@ def last_moved() -> Moved | None:
     return _last_moved
 
 
+def _entries(fresh: HeldState) -> list[Entry]:
+    return [
+        Entry(key, fresh.shapes[key], key in fresh.sharded, tensor.element_size(), str(tensor.dtype))
+        for key, tensor in sorted(fresh.tensors.items())
+    ]
+
+
 def redistribute(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -186,32 +182,34 @@ def redistribute(
     group: dist.ProcessGroup,
     not_before: int = 0,
     *,
-    regather: bool = False,
+    prefer_own: bool = True,
 ) -> int:
     """Collective over the new world (every rank calls it; newcomers pass ``held=None``).
-    Fills the freshly built model and optimizer (FSDP2 on the new mesh, optimizer without
-    state yet) from the survivors' shards and returns the step. A survivor may hold several
-    old ranks' shards, at several steps (its own, those a leaving rank handed it, in-memory
-    snapshots and its buddies' copies): the newest step held whole is taken (``choose``).
-    Raises ValueError on every rank, with the same message, when the survivors cannot
-    rebuild the old state, or only at a step older than ``not_before`` (the newest committed
-    checkpoint, which is then the better place to resume from).
+    Fills the freshly built model and optimizer (FSDP2 on the new mesh, DDP or one rank;
+    optimizer without state yet) from the survivors' held states and returns the step. A
+    survivor may hold several old ranks' states, at several steps (its own, those a leaving
+    rank handed it, in-memory snapshots and its buddies' copies): the newest step held
+    whole is taken (``choose``). Raises ValueError on every rank, with the same message,
+    when the survivors cannot rebuild the old state, or only at a step older than
+    ``not_before`` (the newest committed checkpoint, which is then the better place to
+    resume from).
 
-    At the old world's size only the ranks that do not hold their own old shards receive
-    them (point to point); ``regather`` takes the all-gather path even then, to compare
-    the two. ``last_moved`` says afterwards what this rank received and sent."""
+    A rank copies what it holds itself and receives the rest point to point (at the old
+    world's size, a survivor holding its own old shards receives nothing);
+    ``prefer_own=False`` takes every remote piece from its chosen holder even then, to
+    compare. ``last_moved`` says afterwards what this rank received and sent."""
     global _last_moved
     states = [] if held is None else (list(held) if isinstance(held, list) else [held])
     target = flat_state(model, optimizer)
     fresh = split_state(target)
-    info = [(h.old_rank, h.old_world_size, h.step) for h in states]
+    info = [tuple(h.info) for h in states]
     held_layout = _layout(states[0]) if states else None
     gathered: list[Any] = [None] * dist.get_world_size(group)
     # One small message carries everything checked, so every rank refuses alike or none does.
     message = (info, _stale_mesh(fresh, group), not_before, held_layout, _layout(fresh))
     dist.all_gather_object(gathered, message, group=group)
     infos = [entry[0] or None for entry in gathered]
-    choice = choose(infos)
+    choice = choose(infos, sharded=bool(fresh.sharded))
     if isinstance(choice, str):
         raise ValueError(f"cannot redistribute in memory: {choice} (per new rank: {infos})")
     newer = max(entry[2] for entry in gathered)
@@ -226,32 +224,25 @@ def redistribute(
     if len({layout for entry in gathered for layout in entry[3:] if layout is not None}) > 1:
         raise ValueError("cannot redistribute in memory: the held state does not match the new model and optimizer")
 
-    old_size, step = choice.old_world_size, choice.step
+    world = len(infos)
+    entries = _entries(fresh)
+    # Every rank plans from the gathered message alone, so all agree on every message.
+    pieces = plan_pieces(entries, infos, choice, world, prefer_own=prefer_own)
+    messages = plan_messages(pieces, entries, BUCKET_BYTES)
     me = dist.get_rank(group)
-    mine = [states[j] for j in choice.mine(me)]
-    # Every rank decides from the gathered message alone, so all take the same path.
-    same = old_size == len(infos)
-    with torch.no_grad():
-        if same and not regather:
-            received, sent = _fill_in_place(fresh, states, _in_place_sources(choice, infos), group)
-        else:
-            received = sent = 0
-            slots = max(len(choice.mine(rank)) for rank in range(len(infos)))
-            # Old rank -> its slot in the gathered buffer: holding new rank, position in what it sends.
-            order = [holder * slots + position for holder, position in map(choice.slot, range(old_size))]
-            for bucket in _buckets(fresh, old_size, slots):
-                contributed = _regather_bucket(bucket, fresh, mine, slots, old_size, order, group)
-                received += (len(infos) - 1) * contributed
-                sent += (len(infos) - 1) * contributed
-        # Small entries (AdamW's step, param-group settings) come whole from old rank 0.
-        payload: list[Any] = [None]
-        first = next((h for h in mine if h.old_rank == 0), None)
-        if first is not None:
-            payload = [({k: first.tensors[k].cpu() for k in fresh.tensors if k not in fresh.sharded}, first.values)]
-        dist.broadcast_object_list(payload, group=group, group_src=choice.sources[0][0])
-        plain, values = payload[0]
-        target.update({k: v.to(fresh.tensors[k].device) for k, v in plain.items()})
-        target.update(values)
+    dests = {key: (t.to_local() if isinstance(t, DTensor) else t) for key, t in fresh.tensors.items()}
+    traffic = carry_out(
+        [p for p in pieces if me in (p.src, p.dst)], messages, [h.tensors for h in states], dests, group
+    )
+    # Param-group settings (lr, betas: no tensors) come from the lowest rank holding the chosen step.
+    holders = sorted({src for src, _ in [*choice.sources.values(), *choice.whole, *choice.chunks.values()]})
+    payload: list[Any] = [None]
+    if me == holders[0]:
+        payload = [next(h.values for h in states if h.step == choice.step)]
+    dist.broadcast_object_list(payload, group=group, group_src=holders[0])
+    target.update(payload[0])
+    # The filled tensors are the new model's and optimizer's own: loading them back is a
+    # copy onto itself for parameters and keeps the optimizer's state objects as they are.
     set_state_dict(
         model,
         optimizer,
@@ -259,8 +250,15 @@ def redistribute(
         optim_state_dict={k[len(_OPTIM) :]: v for k, v in target.items() if k.startswith(_OPTIM)},
         options=_OPTIONS,
     )
-    _last_moved = Moved("same" if same else "changed", received, sent)
-    return step
+    _last_moved = Moved(
+        "same" if choice.old_world_size == world else "changed",
+        sum(traffic.received_from.values()),
+        sum(traffic.sent_to.values()),
+        traffic.seconds,
+        traffic.received_from,
+        traffic.sent_to,
+    )
+    return choice.step
 
 
 def _stale_mesh(fresh: HeldState, group: dist.ProcessGroup) -> bool:
@@ -270,184 +268,3 @@ def _stale_mesh(fresh: HeldState, group: dist.ProcessGroup) -> bool:
     size = dist.get_world_size(group)
     return any(m.ndim != 1 or m.size() != size or m.get_coordinate() != expected for m in meshes.values())
 
-
-BUCKET_BYTES = 64 << 20
-"""Upper bound on one rank's contribution to one all-gather (its padded old chunks), and
-on one point-to-point message of shards."""
-
-
-def chunk_rows(rows: int, world: int) -> int:
-    """Rows per shard under torch.chunk semantics: ceil(n/W), the last shards short or empty."""
-    return -(-rows // world)
-
-
-def _row(tensor: torch.Tensor) -> int:
-    """Elements in one row (along dim 0) of ``tensor``, from its shape: indexing a DTensor
-    (``tensor[0]``) would gather it from every rank, one collective per tensor."""
-    return math.prod(tensor.shape[1:])
-
-
-def _buckets(fresh: HeldState, old_size: int, slots: int) -> list[list[str]]:
-    """Sharded keys in sorted order, grouped by dtype and device into buckets of at most
-    ``BUCKET_BYTES`` per rank, so a few collectives move the whole state."""
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    size, kind = 0, None
-    for key in sorted(fresh.sharded):
-        dest = fresh.tensors[key]
-        row = _row(dest)
-        nbytes = slots * chunk_rows(dest.shape[0], old_size) * row * dest.element_size()
-        this = (dest.dtype, dest.device.type)
-        if current and (this != kind or size + nbytes > BUCKET_BYTES):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(key)
-        size, kind = size + nbytes, this
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def _regather_bucket(
-    keys: list[str],
-    fresh: HeldState,
-    held: list[HeldState],
-    slots: int,
-    old_size: int,
-    order: list[int],
-    group: dist.ProcessGroup,
-) -> int:
-    """Rebuild the full tensors of ``keys`` from the old shards (one all-gather of every
-    rank's padded old chunks) and copy this rank's new shard of each into the new model.
-    Returns the bytes this rank contributed."""
-    dests = [fresh.tensors[k] for k in keys]
-    widths = [chunk_rows(d.shape[0], old_size) * _row(d) for d in dests]
-    span = sum(widths)  # elements of one old rank's padded chunks of every key
-    sample = dests[0].to_local()
-    mine = torch.zeros(slots * span, dtype=sample.dtype, device=sample.device)
-    for j, state in enumerate(held):
-        offset = j * span
-        for key, width in zip(keys, widths):
-            shard = state.tensors[key].reshape(-1)
-            mine[offset : offset + shard.numel()].copy_(shard)
-            offset += width
-    world = dist.get_world_size(group)
-    gathered = mine.new_empty(world * slots * span)
-    dist.all_gather_single(gathered, mine, group=group)
-    contributed = mine.numel() * mine.element_size()
-    del mine
-    me = dist.get_rank(group)
-    offset = 0
-    for dest, width in zip(dests, widths):
-        rows = dest.shape[0]
-        # Padding sits only after each old shard's rows: old-rank order, then the first n rows.
-        parts = [gathered[i * span + offset : i * span + offset + width] for i in order]
-        full = torch.cat(parts).view(-1, *dest.shape[1:])[:rows]
-        local = dest.to_local()
-        start = me * chunk_rows(rows, world)  # the new mesh's coordinate is the group rank
-        local.copy_(full[start : start + local.shape[0]])
-        offset += width
-    return contributed
-
-
-def _in_place_sources(choice: Choice, infos: list[Info | list[Info] | None]) -> dict[int, tuple[int, int]]:
-    """Old rank -> (new rank, index in its held states) that fills new rank ``old rank``
-    when the world keeps its size: the rank itself when it holds its own old rank at the
-    chosen step (nothing moves), else the holder ``choose`` picked."""
-    sources = dict(choice.sources)
-    for rank, entry in enumerate(infos):
-        for j, (old_rank, _, step) in enumerate(_as_list(entry)):
-            if old_rank == rank and step == choice.step:
-                sources[rank] = (rank, j)
-                break
-    return sources
-
-
-def _shard_numel(shape: tuple[int, ...], world: int, rank: int) -> int:
-    """Elements of ``rank``'s ``Shard(0)`` chunk of a tensor of ``shape`` (torch.chunk cuts)."""
-    per = chunk_rows(shape[0], world)
-    return max(0, min(per, shape[0] - rank * per)) * math.prod(shape[1:])
-
-
-def _messages(fresh: HeldState, world: int, rank: int) -> list[list[tuple[str, int]]]:
-    """``rank``'s shards as messages: (key, elements) in sorted key order, grouped by dtype
-    and device, at most ``BUCKET_BYTES`` each (a bigger tensor goes alone). Sender and
-    receiver derive the same cut from the global shapes."""
-    messages: list[list[tuple[str, int]]] = []
-    current: list[tuple[str, int]] = []
-    size, kind = 0, None
-    for key in sorted(fresh.sharded):
-        dest = fresh.tensors[key]
-        numel = _shard_numel(fresh.shapes[key], world, rank)
-        if numel == 0:
-            continue
-        nbytes = numel * dest.element_size()
-        this = (dest.dtype, dest.device.type)
-        if current and (this != kind or size + nbytes > BUCKET_BYTES):
-            messages.append(current)
-            current, size = [], 0
-        current.append((key, numel))
-        size, kind = size + nbytes, this
-    if current:
-        messages.append(current)
-    return messages
-
-
-def _fill_in_place(
-    fresh: HeldState, held: list[HeldState], sources: dict[int, tuple[int, int]], group: dist.ProcessGroup
-) -> tuple[int, int]:
-    """Fill this rank's new shards with old rank ``me``'s (same world size, so the same
-    cuts): copied from its own held state, or received from the one rank ``sources``
-    names, while this rank sends the old ranks it is the source of to their positions.
-    Round i carries message i of every transfer at once (``batch_isend_irecv``), so a
-    rank holds one message per transfer at a time. Returns (received, sent) bytes."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    dests = {key: fresh.tensors[key].to_local() for key in fresh.sharded}
-    holder, index = sources[me]
-    if holder == me:
-        own = held[index]
-        for key, local in dests.items():
-            local.copy_(own.tensors[key])
-    outgoing = [(rank, held[j]) for rank, (source, j) in sorted(sources.items()) if source == me and rank != me]
-    plans = {rank: _messages(fresh, world, rank) for rank, _ in outgoing}
-    if holder != me:
-        plans[me] = _messages(fresh, world, me)
-    received = sent = 0
-    for round_ in range(max((len(plan) for plan in plans.values()), default=0)):
-        ops: list[dist.P2POp] = []
-        for rank, state in outgoing:
-            if round_ < len(plans[rank]):
-                message = _pack(plans[rank][round_], state, fresh)
-                ops.append(dist.P2POp(dist.isend, message, group=group, group_peer=rank))
-                sent += message.numel() * message.element_size()
-        inbox: torch.Tensor | None = None
-        if holder != me and round_ < len(plans[me]):
-            inbox = _empty(plans[me][round_], fresh)
-            ops.append(dist.P2POp(dist.irecv, inbox, group=group, group_peer=holder))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        if inbox is not None:
-            received += inbox.numel() * inbox.element_size()
-            offset = 0
-            for key, numel in plans[me][round_]:
-                local = dests[key]
-                local.copy_(inbox[offset : offset + numel].view_as(local))
-                offset += numel
-    return received, sent
-
-
-def _empty(message: list[tuple[str, int]], fresh: HeldState) -> torch.Tensor:
-    """A flat buffer for ``message``, of its keys' dtype on the new model's device."""
-    sample = fresh.tensors[message[0][0]]
-    return torch.empty(sum(numel for _, numel in message), dtype=sample.dtype, device=sample.device)
-
-
-def _pack(message: list[tuple[str, int]], state: HeldState, fresh: HeldState) -> torch.Tensor:
-    """``message``'s shards of a held state, one after the other in one flat buffer."""
-    flat = _empty(message, fresh)
-    offset = 0
-    for key, numel in message:
-        flat[offset : offset + numel].copy_(state.tensors[key].reshape(-1))
-        offset += numel
-    return flat

@@ -12,8 +12,11 @@ Consistency follows the rule of ``COMMITTED`` for storage: a generation (the sna
 one step) counts once every rank has copied and exchanged it, which the ranks learn at a
 step boundary (``Boundary.snapshot_done``). Until then the previous generation is kept, so
 a node lost while its copy is on the wire leaves the one before to recover from. Host
-memory: two generations of this rank's shards and two of its sender's, about 4x the
-rank's share of model + optimizer state.
+memory: two generations of this rank's copy and two of its sender's, 4x the rank's share
+of the job's model + optimizer state. Replicated state (DDP's whole state, AdamW's
+``step``) is the same on every rank, so each rank copies only its flat chunk of it: the
+job keeps it once, split over the ranks, and a rank's buddy holds that chunk's copy as it
+holds a shard's. A DDP rank's snapshots are 4/W of its state, not 4x.
 
 The lost-step bound: after exchanging a generation the ranks learn, with one small
 all-reduce on the snapshots' own thread, that every buddy holds its copy; a step counts as
@@ -42,16 +45,21 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from regroup.rendezvous.inplace.formation import side_group
-from regroup.trainer.reshard import HeldState, flat_state, split_state
+from regroup.trainer.reshard import CHUNK, HeldState, flat_state, split_state
+from regroup.trainer.reshard_plan import flat_span
 from regroup.trainer.snapshot_cost import (
+    REFORM_HEADROOM,
+    SNAPSHOT_COPIES,
     CostMeter,
     Interval,
     SnapshotMemoryError,
     check_host_memory,
     host_memory_available,
     interval_for,
+    share_bytes,
     state_bytes,
 )
 from regroup.trainer.snapshot_layout import STAMP, Layout, buddies, layout_for
@@ -60,6 +68,7 @@ log = structlog.get_logger("regroup.trainer.snapshot")
 
 GENERATIONS = 2
 """Buffers per side: the newest complete generation and the one being made."""
+assert SNAPSHOT_COPIES == 2 * GENERATIONS  # own and received, each GENERATIONS deep
 
 
 @dataclass
@@ -72,6 +81,8 @@ class Generation:
     """Set when the copy of this rank's shards ended (stamped only if it succeeded)."""
     received: bool = False
     """The sender's copy arrived whole."""
+    values: dict[str, Any] = field(default_factory=dict)
+    """The optimizer's param-group settings (lr, ...) at ``step``, by flat key."""
     swapped: threading.Event = field(default_factory=threading.Event)
     """Set when this rank's copy, its sending and its receiving ended, whether or not they succeeded."""
     exchanged: Future[None] | None = None
@@ -100,7 +111,8 @@ class Snapshots:
     ) -> None:
         """Collective (every rank of the world, same order of groups): creates the exchange
         group, learns every rank's place (failure domain, node) and checks that host memory
-        holds the snapshots on every node; if not, every rank raises ``SnapshotMemoryError``.
+        holds the snapshots and a re-form's peak on every node; if not, every rank raises
+        ``SnapshotMemoryError``.
         ``every``: steps between snapshots, None: auto; ``max_every``: the most steps a node
         lost without notice may cost (``snapshot.max_every``)."""
         if max_every < 1 or (every is not None and not 1 <= every <= max_every):
@@ -113,12 +125,13 @@ class Snapshots:
         """With ``auto``: the interval chosen at the last boundary, and why."""
         self.every = self.interval.every if every is None else every
         """Steps between snapshots now (``auto``: from ``max_every`` down, as the cost allows)."""
-        self.host_bytes = 2 * GENERATIONS * state_bytes(model)
+        self.host_bytes = SNAPSHOT_COPIES * share_bytes(model, world_size)
         """Host memory the snapshots take on this rank (own and received, both generations)."""
         self.group = side_group(timeout)
         refusal = None
         try:
-            check_host_memory(self.host_bytes, ranks_on_node, host_memory_available())
+            reform = int(REFORM_HEADROOM * state_bytes(model))
+            check_host_memory(self.host_bytes, reform, ranks_on_node, host_memory_available())
         except SnapshotMemoryError as exc:
             refusal = str(exc)
         gathered: list[Any] = [None] * world_size
@@ -134,6 +147,11 @@ class Snapshots:
         """On CUDA: pinned host buffers, copied into on a side stream (DMA)."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regroup-snapshot")
         self._sources: dict[str, torch.Tensor] | None = None
+        """Key -> the live tensor a snapshot copies: a shard, or a replicated value whole."""
+        self._spans: dict[str, tuple[int, int]] = {}
+        """Replicated key -> the flat elements of it this rank keeps (the rest: the other ranks)."""
+        self._settings: dict[str, tuple[int, str]] = {}
+        """Param-group setting's flat key -> (group index, name), read at every snapshot."""
         self._stream: torch.cuda.Stream | None = None
         self._allocating: Future[None] | None = None
         self.ready = False
@@ -168,7 +186,8 @@ class Snapshots:
         this rank's shards and start exchanging them. The copy overlaps the next step's
         forward and backward; ``wait_copied`` must be called before its optimizer step."""
         slot = 0 if self.committed is None else 1 - self.committed.slot
-        generation = Generation(step, slot)
+        groups = self.optimizer.param_groups
+        generation = Generation(step, slot, values={k: groups[i][name] for k, (i, name) in self._settings.items()})
         stream_event = None
         if self.pinned:
             stream_event = torch.cuda.Event()
@@ -308,9 +327,9 @@ class Snapshots:
                 # A peer gone (or the wire cut) fails the exchange: the copies may still be whole.
                 generation.swapped.wait(wait_s)
             if generation.copied.is_set():
-                held.append(self._state(self._own[generation.slot], self.rank, generation.step))
+                held.append(self._state(self._own[generation.slot], self.rank, generation))
             if generation.received:
-                held.append(self._state(self._received[generation.slot], self.sender, generation.step))
+                held.append(self._state(self._received[generation.slot], self.sender, generation))
         return [h for h in held if h is not None]
 
     def close(self) -> None:
@@ -323,14 +342,23 @@ class Snapshots:
         """Find the live tensors (after the first optimizer step, when AdamW's state exists)
         and lay out the buffers."""
         flat = split_state(flat_state(self.model, self.optimizer))
-        sources = {k: (v.to_local() if k in flat.sharded else v) for k, v in flat.tensors.items()}
-        template = HeldState(self.rank, self.world_size, -1, sources, flat.sharded, flat.shapes, flat.values)
+        sources: dict[str, torch.Tensor] = {}
+        shapes = []
+        for key, value in sorted(flat.tensors.items()):
+            if key in flat.sharded:
+                sources[key] = value.to_local()
+                shapes.append((key, tuple(sources[key].shape), value.dtype))
+            else:
+                sources[key] = value.detach()
+                self._spans[key] = flat_span(value.numel(), self.world_size, self.rank)
+                shapes.append((key, (self._spans[key][1] - self._spans[key][0],), value.dtype))
+        template = HeldState(self.rank, self.world_size, -1, sources, flat.sharded, flat.shapes, flat.values, CHUNK)
         own = layout_for(template, self.rank, self.world_size)
-        actual = Layout.of([(k, tuple(v.shape), v.dtype) for k, v in sorted(sources.items())])
-        if own != actual:
+        if own != Layout.of(shapes):
             raise ValueError("snapshot: this rank's shards are not the torch.chunk rows of its parameters")
         self._own_layout, self._sender_layout = own, layout_for(template, self.sender, self.world_size)
         self._sources, self._template = sources, template
+        self._settings = _setting_keys(self.model, self.optimizer, flat.values)
 
     def _allocate(self) -> None:
         self._own = [self._buffer(self._own_layout.nbytes) for _ in range(GENERATIONS)]
@@ -358,7 +386,8 @@ class Snapshots:
         own = self._own[generation.slot]
         try:
             views = self._own_layout.views(own)
-            keys, sources = list(self._sources), list(self._sources.values())  # one call copies all
+            keys = list(self._sources)
+            sources = [self._live(key) for key in keys]  # one call copies all
             with torch.no_grad():
                 if after is not None:
                     with torch.cuda.device(self.device):
@@ -398,11 +427,35 @@ class Snapshots:
             failure = failure or exc
         return failure
 
-    def _state(self, buffer: torch.Tensor, rank: int, step: int) -> HeldState | None:
+    def _live(self, key: str) -> torch.Tensor:
+        """What this rank copies of ``key``: its shard, or its flat chunk of a replicated value."""
+        assert self._sources is not None
+        tensor = self._sources[key]
+        if key not in self._spans:
+            return tensor
+        lo, hi = self._spans[key]
+        return tensor.reshape(-1)[lo:hi]
+
+    def _state(self, buffer: torch.Tensor, rank: int, generation: Generation) -> HeldState | None:
         assert self._template is not None
         layout = self._own_layout if rank == self.rank else self._sender_layout
-        if layout.stamp(buffer).tolist() != [step, rank]:
+        if layout.stamp(buffer).tolist() != [generation.step, rank]:
             return None
         t = self._template
-        # Host tensors: ``redistribute`` copies them into its device buffers bucket by bucket.
-        return HeldState(rank, self.world_size, step, layout.views(buffer), t.sharded, t.shapes, t.values)
+        # Host tensors: ``redistribute`` copies them into the new model's and optimizer's own.
+        values = {**t.values, **generation.values}
+        return HeldState(rank, self.world_size, generation.step, layout.views(buffer), t.sharded, t.shapes, values, CHUNK)
+
+
+def _setting_keys(model: nn.Module, optimizer: torch.optim.Optimizer, values: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Each param-group setting's flat key (``optim/param_groups.<fqn>.<name>``) -> (group
+    index, name), so a snapshot reads the settings of its step straight from the optimizer."""
+    _, optim_state = get_state_dict(model, optimizer)
+    keys: dict[str, tuple[int, str]] = {}
+    for index, group in enumerate(optim_state["param_groups"]):
+        for fqn in group["params"]:
+            for name in group:
+                key = f"optim/param_groups.{fqn}.{name}"
+                if name != "params" and key in values:
+                    keys[key] = (index, name)
+    return keys

@@ -40,27 +40,56 @@ def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = 
         return available
 
 
-def check_host_memory(needed_per_rank: int, ranks_on_node: int, available: int) -> None:
-    """Refuse (``SnapshotMemoryError``) when the node's ranks' snapshots would not fit in 90%
-    of the host memory available; the message names the setting that turns them off."""
-    needed = needed_per_rank * ranks_on_node
+SNAPSHOT_COPIES = 4
+"""Host memory the snapshots take, in the rank's share of the job's state (``share_bytes``):
+two generations of its own copy and two of its sender's."""
+REFORM_HEADROOM = 1.0
+"""What an in-place re-form adds to the steady state (with snapshots) at its peak, in the
+rank's state (``state_bytes``): the next world's model and optimizer are built while this
+world's state is held. Measured by ``bench scale`` at every path and size
+(docs/benchmarks.md) and asserted by tests/trainer/test_state_sizes.py."""
+
+
+def check_host_memory(snapshots: int, reform: int, ranks_on_node: int, available: int) -> None:
+    """Refuse (``SnapshotMemoryError``) when what the node's ranks add to their training
+    state, ``snapshots`` and ``reform`` bytes each, would not fit in 90% of the host memory
+    ``available``; the message says what each part is and the setting that turns them off."""
+    needed = (snapshots + reform) * ranks_on_node
     if needed > 0.9 * available:
         gib = 1 << 30
         raise SnapshotMemoryError(
-            f"snapshot.every: in-memory snapshots need {needed_per_rank / gib:.2f} GiB of host memory per rank "
-            f"({ranks_on_node} on this node: {needed / gib:.2f} GiB) and {available / gib:.2f} GiB is available; "
-            "give the pod more memory, or set snapshot.every: 0 to train without them "
-            "(a node lost without notice then costs the steps since the last committed checkpoint)"
+            f"snapshot.every: in-memory snapshots need {snapshots / gib:.2f} GiB of host memory per rank "
+            f"({SNAPSHOT_COPIES}x its share of the job's state) and an in-place re-form {reform / gib:.2f} GiB "
+            f"more (the next world's state while this one's is held); {ranks_on_node} on this node: "
+            f"{needed / gib:.2f} GiB, and {available / gib:.2f} GiB is available; give the pod more memory, "
+            "or set snapshot.every: 0 to train without them (a node lost without notice then costs the steps "
+            "since the last committed checkpoint)"
         )
 
 
-def state_bytes(model: nn.Module) -> int:
-    """This rank's share of model + AdamW state (parameters and two moments), in bytes."""
-    total = 0
+def _local_bytes(model: nn.Module) -> tuple[int, int]:
+    """(sharded, replicated) bytes of this rank's parameters."""
+    sharded = replicated = 0
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return 3 * total
+        if hasattr(param, "to_local"):
+            local = param.to_local()
+            sharded += local.numel() * local.element_size()
+        else:
+            replicated += param.numel() * param.element_size()
+    return sharded, replicated
+
+
+def state_bytes(model: nn.Module) -> int:
+    """This rank's model + AdamW state (parameters and two moments) as it holds it: its
+    shards, and replicated parameters (DDP) whole."""
+    return 3 * sum(_local_bytes(model))
+
+
+def share_bytes(model: nn.Module, world_size: int) -> int:
+    """This rank's share of the job's model + AdamW state: its shards, and ``1/world_size``
+    of the replicated state, which the snapshots keep once per job, split over the ranks."""
+    sharded, replicated = _local_bytes(model)
+    return 3 * (sharded + replicated // max(1, world_size))
 
 
 @dataclass(frozen=True)

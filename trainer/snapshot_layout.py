@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from regroup.trainer.reshard import HeldState, chunk_rows
+from regroup.trainer.reshard import HeldState
+from regroup.trainer.reshard_plan import chunk_rows, flat_span
 
 _ALIGN = 16
 STAMP = torch.int64
@@ -52,15 +53,19 @@ class Layout:
 
 
 def layout_for(template: HeldState, rank: int, world_size: int) -> Layout:
-    """The layout of ``rank``'s state, derived from any rank's: a ``Shard(0)`` key holds rows
-    ``[rank * c, (rank + 1) * c)`` of its global shape, c = ceil(rows / world) (torch.chunk)."""
+    """The layout of ``rank``'s snapshot, derived from any rank's state: a ``Shard(0)`` key
+    holds rows ``[rank * c, (rank + 1) * c)`` of its global shape, c = ceil(rows / world)
+    (torch.chunk); a replicated key, the same on every rank, holds only ``rank``'s flat chunk
+    (``reshard_plan.flat_span``), so the world keeps it once between its ranks."""
     shapes = []
     for key, tensor in sorted(template.tensors.items()):
-        shape = tuple(tensor.shape)
+        full = template.shapes[key]
         if key in template.sharded:
-            full = template.shapes[key]
             rows = chunk_rows(full[0], world_size)
-            shape = (max(0, min(rows, full[0] - rank * rows)), *full[1:])
+            shape: tuple[int, ...] = (max(0, min(rows, full[0] - rank * rows)), *full[1:])
+        else:
+            lo, hi = flat_span(math.prod(full), world_size, rank)
+            shape = (hi - lo,)
         shapes.append((key, shape, tensor.dtype))
     return Layout.of(shapes)
 

@@ -1,6 +1,8 @@
 """A user's script on the public API, as the API's tests run it: a small regression model
 (FSDP2, DDP or plain), an LR scheduler and a registered counter, data by global sample id.
-Rank 0 prints one JSON line ``{"final": ...}`` with what the run ended with.
+Rank 0 prints one JSON line ``{"restored": ...}`` per world (what it restored, and the
+worst ratio of a tensor's storage to its own bytes) and ``{"final": ...}`` with what the
+run ended with.
 
 ``python tests/trainer/api_script.py --wrap fsdp --steps 8 [--misuse KIND]``
 """
@@ -16,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from bench.scale.memory import storage_report
 from regroup.trainer import elastic
 
 
@@ -68,6 +71,10 @@ def main(args: argparse.Namespace) -> None:
         model, optimizer, scheduler=scheduler, extras={"counter": counter}, step_time_floor=args.floor,
         **settings, **sections,
     )  # fmt: skip
+    if world.rank == 0:
+        # What the run restored: every tensor's storage holds its own bytes and no more.
+        restored = {"world_size": world.world_size, "step": run.step, **storage_report(model, optimizer)}
+        print(json.dumps({"restored": restored}), flush=True)
     if args.misuse == "two-runs":
         elastic.Run(model, optimizer, **settings)
     previous = None

@@ -88,7 +88,7 @@ def _as_dict(held: HeldState) -> dict[str, Any]:
     return {
         "old_rank": held.old_rank, "old_world_size": held.old_world_size, "step": held.step,
         "tensors": {k: v.clone() for k, v in held.tensors.items()}, "sharded": sorted(held.sharded),
-        "shapes": held.shapes, "values": held.values,
+        "shapes": held.shapes, "values": held.values, "replicated": held.replicated,
     }  # fmt: skip
 
 

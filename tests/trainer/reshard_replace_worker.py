@@ -10,8 +10,9 @@ SPEC PROC``. SPEC is JSON: ``port`` of a TCPStore the test hosts, ``out`` folder
    fresh model and optimizer (other weights, other lr), ``redistribute`` with messages of
    at most ``bucket_bytes``: each process dumps its shards (``replace-P.pt``) and rank 0 the
    full state (``replace.pt``).
-3. ``regather``: in the same world, another fresh pair rebuilt from the same held states
-   through the all-gather path (``regather-P.pt``, ``regather.pt``).
+3. ``remote``: in the same world, another fresh pair rebuilt from the same held states with
+   every piece from the holder ``choose`` picked, even where a rank holds its own
+   (``prefer_own=False``: ``remote-P.pt``, ``remote.pt``).
 
 Each process writes ``proc-P.json``: the step and what each rebuild moved (``last_moved``).
 """
@@ -62,9 +63,11 @@ def own_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {"tensors": tensors, "sharded": sorted(state.sharded), "values": state.values}
 
 
-def rebuild(held: list[HeldState] | None, out: Path, name: str, proc: int, seed: int, regather: bool) -> dict[str, Any]:
+def rebuild(
+    held: list[HeldState] | None, out: Path, name: str, proc: int, seed: int, prefer_own: bool
+) -> dict[str, Any]:
     model, optimizer = build(seed=seed, lr=1e-4)
-    step = redistribute(model, optimizer, held, dist.group.WORLD, regather=regather)
+    step = redistribute(model, optimizer, held, dist.group.WORLD, prefer_own=prefer_own)
     torch.save(own_shards(model, optimizer), out / f"{name}-{proc}.pt")
     dump(model, optimizer, out / f"{name}.pt")
     moved = last_moved()
@@ -98,8 +101,8 @@ def main(spec: dict[str, Any], proc: int) -> None:
     join(store, "replace", proc, WORLD)
     result = {
         "held": [(h.old_rank, h.step) for h in held or []],
-        "replace": rebuild(held, out, "replace", proc, seed=1, regather=False),
-        "regather": rebuild(held, out, "regather", proc, seed=2, regather=True),
+        "replace": rebuild(held, out, "replace", proc, seed=1, prefer_own=True),
+        "remote": rebuild(held, out, "remote", proc, seed=2, prefer_own=False),
     }
     dist.barrier()
     dist.destroy_process_group()

@@ -90,7 +90,7 @@ class ScriptJob(InPlaceJob):
 
 @pytest.fixture
 def script_job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterator[ScriptJob]:
-    steps = ["--wrap", "fsdp", "--steps", "500", "--floor", "50ms", "--progress-interval", "100ms"]
+    steps = ["--wrap", "ddp", "--steps", "500", "--floor", "50ms", "--progress-interval", "100ms"]
     job = ScriptJob(etcd.endpoint, tmp_path / "job", worker_env, script_args=steps)
     try:
         yield job
@@ -100,8 +100,10 @@ def script_job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> 
 
 @pytest.mark.slow
 def test_a_script_keeps_its_scheduler_and_extras_across_in_place_reforms(script_job: ScriptJob) -> None:
-    """A loss without notice (snapshots) and a planned shrink (hand-off) rebuild the model in
-    memory; the scheduler and the registered counter come from a survivor, at the same step."""
+    """A DDP script: a loss without notice (snapshots) and a planned shrink (hand-off)
+    rebuild the model in memory; the scheduler and the registered counter come from a
+    survivor, at the same step; and every model and optimizer tensor the script holds after
+    a re-form is its own memory, not a view of a snapshot or of a message."""
     job = script_job
     job.expect(0, ["a", "b", "c"], "start")
     for node in ("a", "b", "c"):
@@ -123,4 +125,8 @@ def test_a_script_keeps_its_scheduler_and_extras_across_in_place_reforms(script_
     assert pids["a"] == [] or job.events("a", "re-formed in place")
     # Had either re-form started the scheduler or the counter afresh, they would trail the step.
     assert final(job.log("a")) == {"step": 500, "lr": pytest.approx(0.05 / 501), "counter": 500}
+    restored = [json.loads(line)["restored"] for line in job.log("a").splitlines() if line.startswith('{"restored"')]
+    assert [r["world_size"] for r in restored][-2:] == [2, 1], restored
+    assert restored[-2]["step"] > 0 and restored[-1]["step"] == ack.step
+    assert all(r["worst_ratio"] == 1.0 for r in restored), restored
     wait_for(lambda: job.procs["b"].poll() is not None, 60, "b's agent exiting once left out")

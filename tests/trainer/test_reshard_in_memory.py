@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from regroup.trainer.reshard import Choice, can_redistribute, choose
+from regroup.trainer.reshard import CHUNK, NONE, WHOLE, Choice, can_redistribute, choose
 from tests.trainer.harness import run_all
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,24 +105,38 @@ def test_the_newest_step_held_whole_is_chosen_from_snapshots_and_buddy_copies() 
     # Old world of 3, old rank 2 lost without notice. The survivors hold their own snapshots
     # of steps 7 and 8; old rank 2's copies are on its buddies, 7 on new rank 0, 8 on new rank 1.
     held = [
-        [(0, 3, 7), (0, 3, 8), (2, 3, 7)],  # new rank 0: old rank 0 at 7 and 8, old rank 2's copy at 7
-        [(1, 3, 7), (1, 3, 8), (2, 3, 8)],  # new rank 1: old rank 1 at 7 and 8, old rank 2's copy at 8
+        [(0, 3, 7, CHUNK), (0, 3, 8, CHUNK), (2, 3, 7, CHUNK)],  # old rank 0 at 7 and 8, old rank 2's copy at 7
+        [(1, 3, 7, CHUNK), (1, 3, 8, CHUNK), (2, 3, 8, CHUNK)],  # old rank 1 at 7 and 8, old rank 2's copy at 8
     ]
-    choice = choose(held)  # type: ignore[arg-type]
+    choice = choose(held)
     assert isinstance(choice, Choice) and choice.step == 8
     assert choice.sources == {0: (0, 1), 1: (1, 1), 2: (1, 2)}
-    assert choice.mine(0) == [1] and choice.mine(1) == [1, 2]
-    assert choice.slot(2) == (1, 1)
+    assert choice.chunks == choice.sources and choice.whole == [], "snapshots hold the replicated state in chunks"
     # Old rank 2's copy of step 8 never arrived: step 7 is the newest held whole.
-    earlier = choose([held[0], held[1][:2]])  # type: ignore[arg-type]
+    earlier = choose([held[0], held[1][:2]])
     assert isinstance(earlier, Choice) and earlier.step == 7
     assert earlier.sources == {0: (0, 0), 1: (1, 0), 2: (0, 2)}
-    assert "no step" in str(choose([[(0, 3, 7)], [(1, 3, 8)]]))
+    assert "no step" in str(choose([[(0, 3, 7, CHUNK)], [(1, 3, 8, CHUNK)]]))
+
+
+def test_shards_a_leaving_rank_handed_over_need_a_survivor_holding_the_replicated_state_whole() -> None:
+    handed = [[(1, 2, 5, NONE)], [(0, 2, 5, NONE)]]  # each holds only the other's shards
+    assert "no step" in str(choose(handed))
+    choice = choose([[(0, 2, 5, WHOLE), (1, 2, 5, NONE)], None])
+    assert isinstance(choice, Choice) and choice.whole == [(0, 0)] and choice.sources == {0: (0, 0), 1: (0, 1)}
+    # A state with no sharded entries (DDP) needs only the replicated entries, from anyone.
+    assert isinstance(choose([[(2, 4, 5, WHOLE)], None], sharded=False), Choice)
+    assert not isinstance(choose([[(2, 4, 5, CHUNK)], None], sharded=False), Choice), "one chunk of four"
 
 
 def test_a_leaving_rank_hands_over_exactly_what_it_held(grown: Path) -> None:
     handed, donor = torch.load(grown / "handed.pt"), torch.load(grown / "donor.pt")
     assert donor["tensors"] and len(donor["sharded"]) > 10, "a whole model's and optimizer's shards"
+    assert set(donor["tensors"]) > set(donor["sharded"]), "AdamW's step entries are replicated"
+    # The keeper holds the replicated entries itself, at the same step: only shards travel.
+    assert (donor["replicated"], handed["replicated"]) == ("whole", "none")
+    donor["tensors"] = {k: v for k, v in donor["tensors"].items() if k in donor["sharded"]}
+    donor["replicated"] = "none"
     _assert_identical(handed, donor, "hand-off")
 
 
@@ -188,23 +202,30 @@ def test_only_the_replaced_position_receives_and_only_its_shards(replaced: Path)
     moved = [r["replace"] for r in _replace_results(replaced)]
     assert {m["layout"] for m in moved} == {"same"}
     lost = torch.load(replaced / "old-2.pt")
-    lost_bytes = sum(lost["tensors"][k].numel() * lost["tensors"][k].element_size() for k in lost["sharded"])
+    nbytes = {k: v.numel() * v.element_size() for k, v in lost["tensors"].items()}
+    lost_bytes = sum(nbytes[k] for k in lost["sharded"])
+    replicated_bytes = sum(n for k, n in nbytes.items() if k not in lost["sharded"])
     assert lost_bytes > 4 * REPLACE_BUCKET_BYTES, "the shards must take several messages"
-    assert [m["received_bytes"] for m in moved] == [0, 0, lost_bytes, 0]
+    assert replicated_bytes > 0, "AdamW's step entries are replicated"
+    assert [m["received_bytes"] for m in moved] == [0, 0, lost_bytes + replicated_bytes, 0]
     # Rank 0 holds old rank 1 too, and is its lowest holder, yet rank 1 keeps its own:
-    # rank 0 sends old rank 2's shards and nothing else.
-    assert [m["sent_bytes"] for m in moved] == [lost_bytes, 0, 0, 0]
+    # rank 0 sends old rank 2's shards and nothing else; the replicated entries come as
+    # tensors from one survivor that holds them whole.
+    assert [m["sent_bytes"] for m in moved] == [lost_bytes, 0, 0, replicated_bytes]
     held = [[(0, 4, 2), (2, 4, 2), (1, 4, 2)], [(1, 4, 2)], None, [(3, 4, 2)]]
     choice = choose(held)  # type: ignore[arg-type]
     assert isinstance(choice, Choice) and choice.sources[1] == (0, 2)
 
 
-def test_the_all_gather_path_rebuilds_the_same_world_identically(replaced: Path) -> None:
+def test_taking_every_piece_from_its_chosen_holder_rebuilds_the_same_world_identically(replaced: Path) -> None:
     for rank in range(4):
         _assert_identical(
-            torch.load(replaced / f"regather-{rank}.pt"), torch.load(replaced / f"replace-{rank}.pt"), f"{rank}"
+            torch.load(replaced / f"remote-{rank}.pt"), torch.load(replaced / f"replace-{rank}.pt"), f"{rank}"
         )
-    _assert_identical(torch.load(replaced / "regather.pt"), torch.load(replaced / "replace.pt"))
-    moved = [r["regather"] for r in _replace_results(replaced)]
-    assert all(m["received_bytes"] > 0 and m["sent_bytes"] > 0 for m in moved), "every rank receives the whole state"
-    assert [r["regather"]["step"] for r in _replace_results(replaced)] == [2, 2, 2, 2]
+    _assert_identical(torch.load(replaced / "remote.pt"), torch.load(replaced / "replace.pt"))
+    remote = [r["remote"] for r in _replace_results(replaced)]
+    own = [r["replace"] for r in _replace_results(replaced)]
+    assert [r["remote"]["step"] for r in _replace_results(replaced)] == [2, 2, 2, 2]
+    # Old rank 1's lowest holder is rank 0: rank 1 receives its own shards from it.
+    assert remote[1]["received_bytes"] > 0 == own[1]["received_bytes"]
+    assert sum(m["received_bytes"] for m in remote) > sum(m["received_bytes"] for m in own)

@@ -24,6 +24,8 @@ from regroup.trainer.snapshot_cost import (
     CostMeter,
     SnapshotMemoryError,
     check_host_memory,
+    share_bytes,
+    state_bytes,
     host_memory_available,
     interval_for,
 )
@@ -60,32 +62,46 @@ def test_one_node_pairs_ranks_on_it() -> None:
 
 
 def test_a_rank_layout_is_derived_from_any_rank_state() -> None:
-    # Rows 5 over 4 ranks (torch.chunk: 2, 2, 1, 0); AdamW's step is a plain scalar.
-    shapes = {"model/w": (5, 3), "optim/state.w.step": ()}
+    # Rows 5 over 4 ranks (torch.chunk: 2, 2, 1, 0). Replicated entries (a bias of 6, AdamW's
+    # scalar step) are split flat over the ranks: 2, 2, 2, 0 and 1, 0, 0, 0.
+    shapes = {"model/b": (6,), "model/w": (5, 3), "optim/state.w.step": ()}
     template = HeldState(
-        0, 4, 1, {"model/w": torch.zeros(2, 3), "optim/state.w.step": torch.zeros(())},
+        0, 4, 1, {"model/b": torch.zeros(6), "model/w": torch.zeros(2, 3), "optim/state.w.step": torch.zeros(())},
         frozenset({"model/w"}), shapes, {},
     )  # fmt: skip
-    rows = [dict((e.key, e.shape) for e in layout_for(template, r, 4).entries)["model/w"] for r in range(4)]
-    assert rows == [(2, 3), (2, 3), (1, 3), (0, 3)]
-    layout = layout_for(template, 2, 4)
+    layouts = [{e.key: e.shape for e in layout_for(template, r, 4).entries} for r in range(4)]
+    assert [shape["model/w"] for shape in layouts] == [(2, 3), (2, 3), (1, 3), (0, 3)]
+    assert [shape["model/b"] for shape in layouts] == [(2,), (2,), (2,), (0,)]
+    assert [shape["optim/state.w.step"] for shape in layouts] == [(1,), (0,), (0,), (0,)]
+    layout = layout_for(template, 0, 4)
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
     views = layout.views(buffer)
     views["model/w"].fill_(1.5)
     views["optim/state.w.step"].fill_(7)
-    layout.stamp(buffer).copy_(torch.tensor([3, 2]))
+    layout.stamp(buffer).copy_(torch.tensor([3, 0]))
     again = layout.views(buffer)
-    assert torch.equal(again["model/w"], torch.full((1, 3), 1.5)) and again["optim/state.w.step"].item() == 7
-    assert layout.stamp(buffer).tolist() == [3, 2]
+    assert torch.equal(again["model/w"], torch.full((2, 3), 1.5)) and again["optim/state.w.step"].item() == 7
+    assert layout.stamp(buffer).tolist() == [3, 0]
     assert all(e.offset % 16 == 0 for e in layout.entries)
     assert Layout.of([("x", (3,), torch.float32)]).nbytes == 32  # 12 bytes aligned to 16, then the stamp
 
 
-def test_the_trainer_refuses_snapshots_host_memory_cannot_hold() -> None:
-    check_host_memory(1 << 30, 4, 8 << 30)  # 4 GiB of 8: fine
-    with pytest.raises(SnapshotMemoryError, match=r"snapshot.every: .*\(4 on this node: 8.00 GiB\).*snapshot.every: 0"):
-        check_host_memory(2 << 30, 4, 8 << 30)
+def test_the_trainer_refuses_snapshots_and_a_re_form_host_memory_cannot_hold() -> None:
+    check_host_memory(1 << 30, 512 << 20, 4, 8 << 30)  # 6 GiB of 8: fine
+    pattern = (
+        r"snapshot.every: .*need 1.00 GiB .*per rank \(4x its share of the job's state\) and an in-place re-form "
+        r"1.00 GiB more .*4 on this node: 8.00 GiB.*snapshot.every: 0"
+    )
+    with pytest.raises(SnapshotMemoryError, match=pattern):
+        check_host_memory(1 << 30, 1 << 30, 4, 8 << 30)
     assert isinstance(SnapshotMemoryError("x"), ConfigError), "the trainer exits with a configuration error"
+
+
+def test_a_snapshot_keeps_its_share_of_replicated_state_not_all_of_it() -> None:
+    model = torch.nn.Linear(100, 10)  # 1010 parameters, replicated (DDP or one rank): 4040 bytes
+    assert state_bytes(model) == 3 * 4040, "parameters and AdamW's two moments"
+    assert share_bytes(model, 4) == 3 * 1010, "a quarter of it on each of four ranks"
+    assert share_bytes(model, 1) == state_bytes(model)
 
 
 def test_host_memory_is_capped_by_the_cgroup_limit(tmp_path: Path) -> None:

@@ -45,10 +45,12 @@ from regroup.trainer.control import JobChannel, pending_generation
 from regroup.trainer.elastic.options import Options, options as make_options
 from regroup.trainer.elastic.session import RunInfo, Session
 from regroup.trainer.elastic.state import MisuseError, State, World
+from regroup.trainer.host_memory import give_back
 from regroup.trainer.inplace_reform import InPlaceReforms
 from regroup.trainer.progress import Counters, ProgressReports
 from regroup.trainer.reshard import HeldState, last_moved, redistribute
 from regroup.trainer.snapshot import Snapshots
+from regroup.trainer.snapshot_cost import SnapshotMemoryError
 from regroup.trainer.stopping import StopSignal, exit_code
 from regroup.trainer.world_change import WorldChange
 
@@ -180,9 +182,12 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         self._iterating = False
         self._current: Step | None = None
         self._released = False
+        self._give_back = False
+        """A re-form freed the old world's state: give the memory back at the next boundary."""
         self._attach()
         session.run = self
         self.resume(session.held)
+        self._attach_snapshots()
 
     # --- the session's, seen from the run -------------------------------------------------
 
@@ -280,17 +285,6 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         # snapshot) is waited for just before the optimizer changes them.
         self._hook = self.optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
         self.app = AppState(self.model, self.optimizer, self.state, self.user_state.carried())
-        every = cfg.snapshot.interval
-        # Snapshots serve an in-place re-form: only when one can happen (in_place under regroup-run).
-        in_place = self.world.in_place and self.session.in_place
-        self.snapshots = (
-            Snapshots(
-                self.model, self.optimizer, runtime.rank, runtime.world_size, self.info.place, every,
-                self.world.timeout, self.info.ranks_on_node, cfg.snapshot.max_every,
-            )
-            if in_place and every != 0 and runtime.world_size > 1
-            else None
-        )  # fmt: skip
         die_at = self._fault_step("kill_during_save")
         self.checkpointer = (
             Checkpointer(cfg.checkpoint, runtime, die_at, before_commit=lambda _: self._record_reached())
@@ -303,6 +297,26 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         at the next boundary (in the background)."""
         self._last_progress_time = 0.0
         self._sample_log = self._open_sample_log()
+
+    def _attach_snapshots(self) -> None:
+        """The snapshots of this world, once the state is restored (the old world's is no
+        longer held, so host memory is measured without it). Only where an in-place re-form
+        can happen (``in_place`` under regroup-run). When host memory cannot hold them, a
+        run that starts from nothing fails with ``SnapshotMemoryError`` (its settings do not
+        fit); one that has trained goes on without them and says so, rather than fail a
+        re-formed world (a shrink makes every rank's share larger)."""
+        every, runtime = self.cfg.snapshot.interval, self.rt
+        if not (self.world.in_place and self.session.in_place) or every == 0 or runtime.world_size == 1:
+            return
+        try:
+            self.snapshots = Snapshots(
+                self.model, self.optimizer, runtime.rank, runtime.world_size, self.info.place, every,
+                self.world.timeout, self.info.ranks_on_node, self.cfg.snapshot.max_every,
+            )  # fmt: skip
+        except SnapshotMemoryError as exc:
+            if self.state.step == 0:
+                raise
+            log.warning("training on without in-memory snapshots in this world", step=self.state.step, why=str(exc))
 
     def release(self) -> None:
         """This run's world is over: its threads, buffers and files go. Idempotent."""
@@ -367,10 +381,11 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
                 log.warning("state cannot be rebuilt in memory; loading the checkpoint", why=str(exc)[:300])
         else:
             self.session.held = []
+            self._give_back = True  # the old world's state and snapshots are unreachable now
             self.change.add("reshard", time.perf_counter() - t0)
             # layout, received_bytes, sent_bytes: at the old size only replaced positions receive.
             moved = last_moved()
-            self._resumed_at(step, "resharded in memory", **(vars(moved) if moved else {}))
+            self._resumed_at(step, "resharded in memory", **(moved.summary() if moved else {}))
             # An ack from memory, a grow or a loss rebuilt from snapshots: write it down soon.
             self._store_due = self.checkpointer is not None and (stored or 0) < step
             return
@@ -382,6 +397,7 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         if step is None:
             return
         self.session.held = []
+        self._give_back = True
         self.change.add("load", load_s)
         self._resumed_at(step, "resumed", load_s=round(load_s, 3), plan=str(self.plan))
 
@@ -462,6 +478,9 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
             self._sample_log.write(json.dumps(record) + "\n")
             self._sample_log.flush()
         decided, request = self.boundary(local_loss, step._started)
+        if self._give_back:
+            self._give_back = False
+            give_back()  # once the new world trains: off the re-form's critical path
         self.last_loss = decided.loss
         if not self.change.first_step_done:
             self._resumed(time.perf_counter() - step._started)

@@ -1,0 +1,120 @@
+"""Carrying out a reshard plan (``regroup.trainer.reshard_plan``) over a process group.
+
+Local pieces are copied first; then round ``i`` posts message ``i`` of every pair this rank
+sends or receives at once (``batch_isend_irecv``) and waits for them, so a rank holds one
+message per partner at a time. A message of one contiguous run goes without a copy: sent
+from the held tensor's own memory, received straight into the destination tensor; only
+messages of several runs are packed and unpacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from regroup.trainer.reshard_plan import Message, Piece
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What this rank moved."""
+
+    received_from: dict[int, int]
+    """Peer rank -> bytes received from it."""
+    sent_to: dict[int, int]
+    """Peer rank -> bytes sent to it."""
+    seconds: float
+    """From the first local copy to the last message."""
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"reshard: a tensor of shape {tuple(tensor.shape)} is not contiguous")
+    return tensor.view(-1)
+
+
+def carry_out(
+    pieces: Sequence[Piece],
+    messages: Mapping[tuple[int, int], Sequence[Message]],
+    sources: Sequence[Mapping[str, torch.Tensor]],
+    dests: Mapping[str, torch.Tensor],
+    group: dist.ProcessGroup,
+) -> Traffic:
+    """This rank's part of the plan. ``sources``: this rank's held states' tensors (by index,
+    as the pieces name them); ``dests``: this rank's tensors to fill, by key (contiguous)."""
+    started = time.perf_counter()
+    me = dist.get_rank(group)
+    flat_dests = {key: _flat(t) for key, t in dests.items()}
+    flat_sources: dict[tuple[int, str], torch.Tensor] = {}
+
+    def source(j: int, key: str) -> torch.Tensor:
+        if (j, key) not in flat_sources:
+            flat_sources[(j, key)] = _flat(sources[j][key])
+        return flat_sources[(j, key)]
+
+    with torch.no_grad():
+        for piece in pieces:
+            if piece.src == me and piece.dst == me:
+                src = source(piece.state, piece.key)[piece.src_offset : piece.src_offset + piece.numel]
+                flat_dests[piece.key][piece.dst_offset : piece.dst_offset + piece.numel].copy_(src)
+        outgoing = [(dst, msgs) for (src, dst), msgs in sorted(messages.items()) if src == me]
+        incoming = [(src, msgs) for (src, dst), msgs in sorted(messages.items()) if dst == me]
+        device = next(iter(flat_dests.values())).device if flat_dests else torch.device("cpu")
+        received: dict[int, int] = {}
+        sent: dict[int, int] = {}
+        rounds = max((len(msgs) for _, msgs in outgoing + incoming), default=0)
+        for i in range(rounds):
+            ops: list[dist.P2POp] = []
+            unpack: list[tuple[Message, torch.Tensor]] = []
+            for dst, msgs in outgoing:
+                if i < len(msgs):
+                    buffer = _outgoing(msgs[i], source, device)
+                    ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=dst))
+                    sent[dst] = sent.get(dst, 0) + buffer.numel() * buffer.element_size()
+            for src, msgs in incoming:
+                if i < len(msgs):
+                    buffer, direct = _incoming(msgs[i], flat_dests)
+                    ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=src))
+                    received[src] = received.get(src, 0) + buffer.numel() * buffer.element_size()
+                    if not direct:
+                        unpack.append((msgs[i], buffer))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            for message, buffer in unpack:
+                offset = 0
+                for piece, start, numel in message.segments:
+                    at = piece.dst_offset + start
+                    flat_dests[piece.key][at : at + numel].copy_(buffer[offset : offset + numel])
+                    offset += numel
+    return Traffic(received, sent, time.perf_counter() - started)
+
+
+def _outgoing(message: Message, source: Callable[[int, str], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The message's bytes: a view of the held tensor when it is one run on the group's
+    device, else packed into a new buffer there."""
+    runs = [(source(p.state, p.key), p.src_offset + start, numel) for p, start, numel in message.segments]
+    if len(runs) == 1 and runs[0][0].device == device:
+        tensor, at, numel = runs[0]
+        return tensor[at : at + numel]
+    packed = torch.empty(message.numel, dtype=runs[0][0].dtype, device=device)
+    offset = 0
+    for tensor, at, numel in runs:
+        packed[offset : offset + numel].copy_(tensor[at : at + numel])
+        offset += numel
+    return packed
+
+
+def _incoming(message: Message, dests: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """Where the message lands: straight in the destination when it is one run, else a buffer."""
+    if len(message.segments) == 1:
+        piece, start, numel = message.segments[0]
+        at = piece.dst_offset + start
+        return dests[piece.key][at : at + numel], True
+    sample = dests[message.segments[0].piece.key]
+    return torch.empty(message.numel, dtype=sample.dtype, device=sample.device), False
