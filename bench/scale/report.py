@@ -176,11 +176,12 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
         if not mine:
             continue
         sizes = [r["job_state_bytes"] / GB for r in mine]
-        for path in REFORMS:
-            ratios = [r["paths"][path]["floor_ratio"] for r in mine]
+        for reform in REFORMS:
+            ratios = [r["paths"][reform]["floor_ratio"] for r in mine]
+            label = f"{wrap} {reform}"
             if any(v is not None for v in ratios):
-                rates.plot(sizes, [v or float("nan") for v in ratios], style, marker="o", label=f"{wrap} {path}")
-            peaks.plot(sizes, [r["paths"][path]["peak_x_steady"] for r in mine], style, marker="o", label=f"{wrap} {path}")
+                rates.plot(sizes, [v or float("nan") for v in ratios], style, marker="o", label=label)
+            peaks.plot(sizes, [r["paths"][reform]["peak_x_steady"] for r in mine], style, marker="o", label=label)
         rates.plot(sizes, [r["dcp"]["save_ratio"] or float("nan") for r in mine], style, marker="s", label=f"{wrap} DCP save")
     rates.axhline(0.5, color="grey", linewidth=0.8)
     rates.set(xscale="log", xlabel="job's model + optimizer state (GB)", ylabel="rate / raw floor's rate", ylim=(0, 1.3))
