@@ -226,23 +226,31 @@ class Segment(NamedTuple):
 
 @dataclass(frozen=True)
 class Message:
-    """One send from ``src`` to ``dst``: segments of one dtype, back to back."""
+    """One send from ``src`` to ``dst``: segments of one dtype, back to back. A message of
+    one segment goes from the held tensor's memory straight into the destination's; one of
+    several is packed by the sender and unpacked by the receiver."""
 
     src: int
     dst: int
     dtype: str
     segments: tuple[Segment, ...]
+    round: int
+    """Messages of one round are posted together; a rank's rounds run one after another."""
 
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.segments)
 
 
-def plan_messages(pieces: Sequence[Piece], entries: Sequence[Entry], bucket: int) -> dict[tuple[int, int], list[Message]]:
+def plan_messages(
+    pieces: Sequence[Piece], entries: Sequence[Entry], bucket: int, direct: int = MIN_MESSAGE_BYTES
+) -> dict[tuple[int, int], list[Message]]:
     """The pieces that cross ranks, as messages per (src, dst) pair in the order they are
-    sent. A pair's budget is ``bucket`` shared among the pairs either end takes part in,
-    so a rank's messages of one round stay within about ``bucket`` bytes each way; a piece
-    larger than its budget is split."""
+    sent. A piece of at least ``direct`` bytes travels alone, without a copy (split where
+    it is larger than the pair's budget); smaller ones are packed together. A pair's budget
+    is ``bucket`` shared among the pairs either end takes part in (never below ``direct``,
+    or the bucket where that is smaller): a message and a round's messages of a pair stay
+    within it, so a rank holds about ``bucket`` bytes of messages at once each way."""
     by_key = {entry.key: (i, entry) for i, entry in enumerate(entries)}
     pairs: dict[tuple[int, int], list[Piece]] = {}
     for piece in pieces:
@@ -252,26 +260,33 @@ def plan_messages(pieces: Sequence[Piece], entries: Sequence[Entry], bucket: int
     for src, dst in pairs:
         partners[src] = partners.get(src, 0) + 1
         partners[dst] = partners.get(dst, 0) + 1
-    floor = min(bucket, MIN_MESSAGE_BYTES)
+    floor = min(bucket, direct)
     messages: dict[tuple[int, int], list[Message]] = {}
     for (src, dst), mine in sorted(pairs.items()):
         budget = max(floor, bucket // max(partners[src], partners[dst]))
-        mine = sorted(mine, key=lambda p: (by_key[p.key][1].dtype, by_key[p.key][0]))
-        out: list[Message] = []
-        segments: list[Segment] = []
-        used, dtype = 0, None
-        for piece in mine:
+        cuts: list[tuple[str, list[Segment]]] = []
+        packed: list[Segment] = []
+        used, dtype = 0, ""
+        for piece in sorted(mine, key=lambda p: (by_key[p.key][1].dtype, by_key[p.key][0])):
             entry = by_key[piece.key][1]
-            done = 0
-            while done < piece.numel:
-                if segments and (entry.dtype != dtype or used >= budget):
-                    out.append(Message(src, dst, dtype or entry.dtype, tuple(segments)))
-                    segments, used = [], 0
-                room = max(1, (budget - used) // entry.itemsize)
-                take = min(piece.numel - done, room)
-                segments.append(Segment(piece, done, take))
-                used, dtype, done = used + take * entry.itemsize, entry.dtype, done + take
-        if segments:
-            out.append(Message(src, dst, dtype or "", tuple(segments)))
+            if piece.numel * entry.itemsize >= min(direct, budget):
+                per = max(1, budget // entry.itemsize)
+                cuts += [(entry.dtype, [Segment(piece, at, min(per, piece.numel - at))]) for at in range(0, piece.numel, per)]
+                continue
+            if packed and (entry.dtype != dtype or used + piece.numel * entry.itemsize > budget):
+                cuts.append((dtype, packed))
+                packed, used = [], 0
+            packed.append(Segment(piece, 0, piece.numel))
+            used, dtype = used + piece.numel * entry.itemsize, entry.dtype
+        if packed:
+            cuts.append((dtype, packed))
+        out: list[Message] = []
+        round_, load = 0, 0
+        for kind, segments in cuts:
+            nbytes = sum(s.numel for s in segments) * by_key[segments[0].piece.key][1].itemsize
+            if load and load + nbytes > budget:
+                round_, load = round_ + 1, 0
+            out.append(Message(src, dst, kind, tuple(segments), round_))
+            load += nbytes
         messages[(src, dst)] = out
     return messages

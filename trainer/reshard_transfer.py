@@ -1,10 +1,10 @@
 """Carrying out a reshard plan (``regroup.trainer.reshard_plan``) over a process group.
 
-Local pieces are copied first; then round ``i`` posts message ``i`` of every pair this rank
-sends or receives at once (``batch_isend_irecv``) and waits for them, so a rank holds one
-message per partner at a time. A message of one contiguous run goes without a copy: sent
-from the held tensor's own memory, received straight into the destination tensor; only
-messages of several runs are packed and unpacked.
+Local pieces are copied first; then each round posts every message of that round this rank
+sends or receives at once (``batch_isend_irecv``) and waits for them. A message of one
+contiguous run goes without a copy: sent from the held tensor's own memory, received
+straight into the destination tensor; only messages of several small runs are packed and
+unpacked, and a round's packed messages stay within the pair's budget.
 """
 
 from __future__ import annotations
@@ -62,27 +62,24 @@ def carry_out(
             if piece.src == me and piece.dst == me:
                 src = source(piece.state, piece.key)[piece.src_offset : piece.src_offset + piece.numel]
                 flat_dests[piece.key][piece.dst_offset : piece.dst_offset + piece.numel].copy_(src)
-        outgoing = [(dst, msgs) for (src, dst), msgs in sorted(messages.items()) if src == me]
-        incoming = [(src, msgs) for (src, dst), msgs in sorted(messages.items()) if dst == me]
+        mine = [m for (src, dst), msgs in sorted(messages.items()) if me in (src, dst) for m in msgs]
         device = next(iter(flat_dests.values())).device if flat_dests else torch.device("cpu")
         received: dict[int, int] = {}
         sent: dict[int, int] = {}
-        rounds = max((len(msgs) for _, msgs in outgoing + incoming), default=0)
-        for i in range(rounds):
+        for round_ in range(max((m.round for m in mine), default=-1) + 1):
             ops: list[dist.P2POp] = []
             unpack: list[tuple[Message, torch.Tensor]] = []
-            for dst, msgs in outgoing:
-                if i < len(msgs):
-                    buffer = _outgoing(msgs[i], source, device)
-                    ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=dst))
-                    sent[dst] = sent.get(dst, 0) + buffer.numel() * buffer.element_size()
-            for src, msgs in incoming:
-                if i < len(msgs):
-                    buffer, direct = _incoming(msgs[i], flat_dests)
-                    ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=src))
-                    received[src] = received.get(src, 0) + buffer.numel() * buffer.element_size()
+            for message in (m for m in mine if m.round == round_):
+                if message.src == me:
+                    buffer = _outgoing(message, source, device)
+                    ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=message.dst))
+                    sent[message.dst] = sent.get(message.dst, 0) + buffer.numel() * buffer.element_size()
+                else:
+                    buffer, direct = _incoming(message, flat_dests)
+                    ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=message.src))
+                    received[message.src] = received.get(message.src, 0) + buffer.numel() * buffer.element_size()
                     if not direct:
-                        unpack.append((msgs[i], buffer))
+                        unpack.append((message, buffer))
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()

@@ -365,7 +365,9 @@ class Snapshots:
         self._received = [self._buffer(self._sender_layout.nbytes) for _ in range(GENERATIONS)]
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        # Written once here, in the background: the first snapshots into it then pay no
+        # page faults (about 0.5 ms per MB) beside the step they overlap.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned).zero_()
 
     def _run(self, generation: Generation, after: torch.cuda.Event | None) -> None:
         try:

@@ -278,7 +278,8 @@ class Chain:
             return record
         self.build()
         self.train_step()  # AdamW's state exists: snapshots can be laid out
-        copy_s, exchange_s = self.snapshot_now()
+        for _ in range(3):  # both generations' buffers in use: the last one is a steady snapshot
+            copy_s, exchange_s = self.snapshot_now()
         memory.reset_peak()
         quiet: list[float] = []
         busy: list[float] = []

@@ -25,8 +25,9 @@ def _timed_copy(nbytes: int) -> float:
 def _exchange(sends: dict[int, int], receives: dict[int, int], group: dist.ProcessGroup | None = None) -> float:
     """One message per peer each way, all at once, as a reshard's round does: the seconds
     from the start (every rank in step) to this rank's last byte."""
+    # Written once before: a page faulted in during the floor's own time is no part of it.
     buffers = {peer: torch.ones(n, dtype=torch.uint8) for peer, n in sends.items() if n}
-    inbox = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in receives.items() if n}
+    inbox = {peer: torch.zeros(n, dtype=torch.uint8) for peer, n in receives.items() if n}
     dist.barrier(group=group)
     started = time.perf_counter()
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer, t in buffers.items()]
