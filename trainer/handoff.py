@@ -8,15 +8,14 @@ rebuilds its sharding from memory (``regroup.trainer.reshard.redistribute``) ins
 the checkpoint just written. Donors are spread over survivors round-robin.
 
 A donor sends only its shards: the replicated entries (DDP's whole state, AdamW's
-``step``) are the keeper's own already, at the same step. The shards travel as flat
-buffers per dtype in messages of at most ``reshard.BUCKET_BYTES``: the hand-off is on a
-planned re-form's critical path, a model's state has a few hundred tensors, each a round
-trip of its own on gloo, and a donor makes no whole copy of its state to send it.
+``step``) are the keeper's own already, at the same step. The shards move as the
+reshard's do (``regroup.trainer.reshard_plan``): a shard of 1 MB or more straight from the
+donor's tensor into the keeper's buffer, smaller ones packed, within the same budget of
+message bytes; the keeper holds them in one buffer per dtype.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -24,6 +23,8 @@ import torch.distributed as dist
 
 from regroup.trainer import reshard
 from regroup.trainer.reshard import NONE, HeldState
+from regroup.trainer.reshard_plan import Entry, Message, Piece, plan_messages
+from regroup.trainer.reshard_transfer import carry_out
 
 
 def hand_off(held: HeldState, leaving: bool, group: dist.ProcessGroup | None = None) -> list[HeldState]:
@@ -54,10 +55,16 @@ def _by_dtype(local: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[tor
     return groups
 
 
-def _messages(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
-    """(start, end) element ranges of one dtype's flat buffer, at most ``BUCKET_BYTES`` each."""
-    total, per = sum(sizes), max(1, reshard.BUCKET_BYTES // itemsize)
-    return [(start, min(start + per, total)) for start in range(0, total, per)]
+def _plan(
+    local: dict[str, tuple[tuple[int, ...], torch.dtype]], donor: int, keeper: int
+) -> tuple[list[Piece], dict[tuple[int, int], list[Message]]]:
+    """Every shard from the donor's held state into the keeper's, as the reshard's messages."""
+    entries = [
+        Entry(key, shape, True, torch.empty((), dtype=dtype).element_size(), str(dtype))
+        for key, (shape, dtype) in sorted(local.items())
+    ]
+    pieces = [Piece(donor, keeper, e.key, 0, 0, 0, e.numel) for e in entries if e.numel]
+    return pieces, plan_messages(pieces, entries, reshard.BUCKET_BYTES)
 
 
 def _send(held: HeldState, dst: int, group: dist.ProcessGroup | None) -> None:
@@ -70,32 +77,15 @@ def _send(held: HeldState, dst: int, group: dist.ProcessGroup | None) -> None:
         "shapes": held.shapes,
         "values": held.values,
     }
-    dist.send_object_list([meta], dst=dst, group=group)
-    for dtype, keys in _by_dtype(local).items():
-        parts = [held.tensors[k].reshape(-1) for k in keys]
-        sizes = [p.numel() for p in parts]
-        bounds = [0, *accumulate(sizes)][:-1]
-        for start, end in _messages(sizes, dtype.itemsize):
-            runs = [
-                (part, max(start, lo) - lo, min(end, lo + part.numel()) - lo)
-                for part, lo in zip(parts, bounds, strict=False)
-                if max(start, lo) < min(end, lo + part.numel())
-            ]
-            if len(runs) == 1:  # inside one tensor: sent from its own memory
-                part, a, b = runs[0]
-                dist.send(part[a:b], dst=dst, group=group)
-                continue
-            message = torch.empty(end - start, dtype=dtype, device=parts[0].device)
-            offset = 0
-            for part, a, b in runs:
-                message[offset : offset + b - a].copy_(part[a:b])
-                offset += b - a
-            dist.send(message, dst=dst, group=group)
+    dist.send_object_list([meta], group=group, group_dst=dst)
+    pieces, messages = _plan(local, dist.get_rank(group), dst)
+    device = next((t.device for t in held.tensors.values()), None)
+    carry_out(pieces, messages, [held.tensors], {}, group, device)
 
 
 def _receive(src: int, group: dist.ProcessGroup | None) -> HeldState:
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=group)
+    dist.recv_object_list(box, group=group, group_src=src)
     meta = box[0]
     device = _device()
     tensors: dict[str, torch.Tensor] = {}
@@ -103,10 +93,10 @@ def _receive(src: int, group: dist.ProcessGroup | None) -> HeldState:
         shapes = [meta["local"][k][0] for k in keys]
         sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        for start, end in _messages(sizes, dtype.itemsize):
-            dist.recv(flat[start:end], src=src, group=group)
         for key, shape, part in zip(keys, shapes, flat.split(sizes), strict=True):
             tensors[key] = part.view(shape)
+    pieces, messages = _plan(meta["local"], src, dist.get_rank(group))
+    carry_out(pieces, messages, [], tensors, group)
     return HeldState(
         meta["old_rank"],
         meta["old_world_size"],

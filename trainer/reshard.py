@@ -32,6 +32,7 @@ from regroup.trainer.reshard_plan import (
     Choice,
     Entry,
     Info,
+    as_infos,
     choose,
     chunk_rows,
     plan_messages,
@@ -94,8 +95,13 @@ def split_state(flat: dict[str, Any]) -> HeldState:
 
 
 def _layout(state: HeldState) -> str:
-    """A digest of what a state consists of, to compare every rank's in one small message."""
-    parts = [(k, state.shapes[k], str(t.dtype), k in state.sharded) for k, t in sorted(state.tensors.items())]
+    """A digest of what a state consists of, to compare every rank's in one small message:
+    every tensor's key and global shape, and the shards' dtypes (a state may lack the
+    replicated tensors, which its holder has whole)."""
+    parts = [
+        (k, shape, str(state.tensors[k].dtype) if k in state.sharded else "", k in state.sharded)
+        for k, shape in sorted(state.shapes.items())
+    ]
     return hashlib.sha256(repr((parts, sorted(state.values))).encode()).hexdigest()
 
 
@@ -202,7 +208,9 @@ def redistribute(
     states = [] if held is None else (list(held) if isinstance(held, list) else [held])
     target = flat_state(model, optimizer)
     fresh = split_state(target)
-    info = [tuple(h.info) for h in states]
+    # Where the messages live: the new model's device. Host snapshots of a CUDA job are apart.
+    device = next((t.device for t in fresh.tensors.values()), torch.device("cpu"))
+    info = [tuple(h.info._replace(apart=any(t.device != device for t in h.tensors.values()))) for h in states]
     held_layout = _layout(states[0]) if states else None
     gathered: list[Any] = [None] * dist.get_world_size(group)
     # One small message carries everything checked, so every rank refuses alike or none does.
@@ -228,7 +236,8 @@ def redistribute(
     entries = _entries(fresh)
     # Every rank plans from the gathered message alone, so all agree on every message.
     pieces = plan_pieces(entries, infos, choice, world, prefer_own=prefer_own)
-    messages = plan_messages(pieces, entries, BUCKET_BYTES)
+    apart = frozenset((rank, j) for rank, held in enumerate(infos) for j, i in enumerate(as_infos(held)) if i.apart)
+    messages = plan_messages(pieces, entries, BUCKET_BYTES, apart=apart)
     me = dist.get_rank(group)
     dests = {key: (t.to_local() if isinstance(t, DTensor) else t) for key, t in fresh.tensors.items()}
     traffic = carry_out(

@@ -40,6 +40,9 @@ class Info(NamedTuple):
     old_world_size: int
     step: int
     replicated: str = WHOLE
+    apart: bool = False
+    """Its tensors are not where the group's messages live (host snapshots of a CUDA job):
+    a piece of it is copied into a buffer before it goes."""
 
 
 @dataclass(frozen=True)
@@ -243,14 +246,21 @@ class Message:
 
 
 def plan_messages(
-    pieces: Sequence[Piece], entries: Sequence[Entry], bucket: int, direct: int = MIN_MESSAGE_BYTES
+    pieces: Sequence[Piece],
+    entries: Sequence[Entry],
+    bucket: int,
+    direct: int = MIN_MESSAGE_BYTES,
+    apart: frozenset[tuple[int, int]] = frozenset(),
 ) -> dict[tuple[int, int], list[Message]]:
     """The pieces that cross ranks, as messages per (src, dst) pair in the order they are
-    sent. A piece of at least ``direct`` bytes travels alone, without a copy (split where
-    it is larger than the pair's budget); smaller ones are packed together. A pair's budget
-    is ``bucket`` shared among the pairs either end takes part in (never below ``direct``,
-    or the bucket where that is smaller): a message and a round's messages of a pair stay
-    within it, so a rank holds about ``bucket`` bytes of messages at once each way."""
+    sent. A piece of at least ``direct`` bytes travels alone and whole, from the held
+    tensor's memory into the destination's (no buffer, so nothing to bound); smaller ones
+    are packed together into messages of at most the pair's budget: ``bucket`` shared among
+    the pairs either end takes part in (never below ``direct``, or the bucket where that is
+    smaller). A pair's packed messages are spread over rounds, one budget's worth a round,
+    so a rank holds about ``bucket`` bytes of packed messages at once each way; its whole
+    pieces all go in the first round. A piece from a state in ``apart`` ((rank, index) of
+    a state not on the group's device) is always packed: it needs a buffer on the way."""
     by_key = {entry.key: (i, entry) for i, entry in enumerate(entries)}
     pairs: dict[tuple[int, int], list[Piece]] = {}
     for piece in pieces:
@@ -264,29 +274,21 @@ def plan_messages(
     messages: dict[tuple[int, int], list[Message]] = {}
     for (src, dst), mine in sorted(pairs.items()):
         budget = max(floor, bucket // max(partners[src], partners[dst]))
-        cuts: list[tuple[str, list[Segment]]] = []
+        out: list[Message] = []
         packed: list[Segment] = []
-        used, dtype = 0, ""
+        used, dtype, round_ = 0, "", 0
         for piece in sorted(mine, key=lambda p: (by_key[p.key][1].dtype, by_key[p.key][0])):
             entry = by_key[piece.key][1]
-            if piece.numel * entry.itemsize >= min(direct, budget):
-                per = max(1, budget // entry.itemsize)
-                cuts += [(entry.dtype, [Segment(piece, at, min(per, piece.numel - at))]) for at in range(0, piece.numel, per)]
+            nbytes = piece.numel * entry.itemsize
+            if nbytes >= floor and (piece.src, piece.state) not in apart:
+                out.append(Message(src, dst, entry.dtype, (Segment(piece, 0, piece.numel),), 0))
                 continue
-            if packed and (entry.dtype != dtype or used + piece.numel * entry.itemsize > budget):
-                cuts.append((dtype, packed))
-                packed, used = [], 0
+            if packed and (entry.dtype != dtype or used + nbytes > budget):
+                out.append(Message(src, dst, dtype, tuple(packed), round_))
+                packed, used, round_ = [], 0, round_ + 1
             packed.append(Segment(piece, 0, piece.numel))
-            used, dtype = used + piece.numel * entry.itemsize, entry.dtype
+            used, dtype = used + nbytes, entry.dtype
         if packed:
-            cuts.append((dtype, packed))
-        out: list[Message] = []
-        round_, load = 0, 0
-        for kind, segments in cuts:
-            nbytes = sum(s.numel for s in segments) * by_key[segments[0].piece.key][1].itemsize
-            if load and load + nbytes > budget:
-                round_, load = round_ + 1, 0
-            out.append(Message(src, dst, kind, tuple(segments), round_))
-            load += nbytes
+            out.append(Message(src, dst, dtype, tuple(packed), round_))
         messages[(src, dst)] = out
     return messages

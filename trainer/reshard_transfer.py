@@ -43,10 +43,12 @@ def carry_out(
     messages: Mapping[tuple[int, int], Sequence[Message]],
     sources: Sequence[Mapping[str, torch.Tensor]],
     dests: Mapping[str, torch.Tensor],
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
 ) -> Traffic:
     """This rank's part of the plan. ``sources``: this rank's held states' tensors (by index,
-    as the pieces name them); ``dests``: this rank's tensors to fill, by key (contiguous)."""
+    as the pieces name them); ``dests``: this rank's tensors to fill, by key (contiguous);
+    ``device``: where the group's messages live (default: the destinations')."""
     started = time.perf_counter()
     me = dist.get_rank(group)
     flat_dests = {key: _flat(t) for key, t in dests.items()}
@@ -63,7 +65,8 @@ def carry_out(
                 src = source(piece.state, piece.key)[piece.src_offset : piece.src_offset + piece.numel]
                 flat_dests[piece.key][piece.dst_offset : piece.dst_offset + piece.numel].copy_(src)
         mine = [m for (src, dst), msgs in sorted(messages.items()) if me in (src, dst) for m in msgs]
-        device = next(iter(flat_dests.values())).device if flat_dests else torch.device("cpu")
+        if device is None:
+            device = next(iter(flat_dests.values())).device if flat_dests else torch.device("cpu")
         received: dict[int, int] = {}
         sent: dict[int, int] = {}
         for round_ in range(max((m.round for m in mine), default=-1) + 1):

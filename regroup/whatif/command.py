@@ -1,4 +1,5 @@
-"""``regroup whatif``: the expected goodput of a job under a given churn, four ways.
+"""``regroup whatif``: the expected goodput of a job under a given churn, four ways; and
+with ``--params``, what moving a model of that size costs at each kind of re-form.
 
 Reads the job's own spans (``regroup trace-report``'s reading), asks the model
 (``regroup.whatif.model``) and prints its tables, or JSON with ``--json``
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from regroup.whatif.costs import costs_from_stalls
 from regroup.whatif.model import outcomes
 from regroup.whatif.recorded import Stall, checkpoint_seconds, stalls_from_spans, step_seconds
 from regroup.whatif.report import as_json, format_report
+from regroup.whatif.sizes import Hardware, Projection, SizedJob, format_projection, parse_count, project
 
 
 def _duration(text: str) -> timedelta:
@@ -32,7 +35,9 @@ def _duration(text: str) -> timedelta:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spans", type=Path, help="the job's OTLP JSON-lines spans file, or a `regroup demo` run folder")
+    parser.add_argument("spans", type=Path, nargs="?",
+                        help="the job's OTLP JSON-lines spans file, or a `regroup demo` run folder "
+                             "(optional with --params)")  # fmt: skip
     parser.add_argument("--nodes", type=int, required=True, help="the job's full size (an elastic job's max)")
     parser.add_argument("--spares", type=int, default=0,
                         help="idle nodes a fixed-size job keeps to replace a lost one (default 0)")  # fmt: skip
@@ -56,6 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a restarted worker's start (default: recorded on the restart path, else 60s)")  # fmt: skip
     given.add_argument("--checkpoint-every", type=_duration,
                        help="pin the checkpoint interval (default: Young's optimum)")  # fmt: skip
+    sized = parser.add_argument_group("the model's size (--params): what moving its state costs, on paper")
+    sized.add_argument("--params", help="parameters of the model: 7B, 70B, 350M")
+    sized.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
+    sized.add_argument("--tokens-per-step", default="4M", help="tokens of one global batch (default 4M)")
+    sized.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation of a step (default 0.40)")
+    sized.add_argument("--fabric-gbps", type=float, default=Hardware.fabric_gbps,
+                       help="GB/s of network per GPU (default 50: 400 Gb/s)")  # fmt: skip
+    sized.add_argument("--host-copy-gbps", type=float, default=Hardware.host_copy_gbps,
+                       help="GB/s of a GPU's copies to host memory (default 50: PCIe gen5 x16)")  # fmt: skip
+    sized.add_argument("--storage-gbps", type=float, default=Hardware.storage_gbps,
+                       help="GB/s of a node's checkpoint writes (default 10: local NVMe)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -73,8 +89,26 @@ def _stalls(path: Path) -> tuple[list[dict[str, Any]], list[Stall]]:
     return spans, stalls
 
 
+def _sized(args: argparse.Namespace) -> tuple[SizedJob, Hardware, Projection] | None:
+    if args.params is None:
+        return None
+    job = SizedJob(
+        parse_count(args.params, "--params"), args.nodes, args.gpus_per_node,
+        tokens_per_step=parse_count(args.tokens_per_step, "--tokens-per-step"), mfu=args.mfu,
+    )  # fmt: skip
+    hw = Hardware(args.host_copy_gbps, args.fabric_gbps, args.storage_gbps)
+    return job, hw, project(job, hw)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        sized = _sized(args)
+        if args.spans is None:
+            if sized is None:
+                raise WhatIfError("SPANS: the job's spans file, or --params to ask about a model's size alone")
+            job, hw, projection = sized
+            print(json.dumps(asdict(projection), indent=2) if args.json else format_projection(job, hw, projection))
+            return 0
         churn = Churn(
             reclaim_every=args.reclaim_every, loss_every=args.loss_every, flaky_every=args.flaky_every,
             joins_every=args.joins_every, notice=args.notice, replace_after=args.replace_after,
@@ -91,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     found = outcomes(costs, churn, job)
     if args.json:
-        print(json.dumps(as_json(args.spans, churn, job, stalls, costs, found), indent=2))
+        body = as_json(args.spans, churn, job, stalls, costs, found)
+        if sized is not None:
+            body["sizes"] = asdict(sized[2])
+        print(json.dumps(body, indent=2))
     else:
         print(format_report(churn, job, stalls, costs, found))
+        if sized is not None:
+            print("\n" + format_projection(*sized))
     return 0

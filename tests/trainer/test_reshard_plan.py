@@ -103,27 +103,30 @@ def _itemsize(dtype: str) -> int:
     return 2 if dtype == "torch.bfloat16" else 4
 
 
-def test_messages_stay_within_the_budget_keep_one_dtype_and_split_what_is_larger() -> None:
+def test_large_pieces_go_whole_and_small_ones_are_packed_within_the_budget() -> None:
     big = Entry("model/big", (3_000_000, 3), True, 4, "torch.float32")  # 36 MB: 12 MB a rank
-    entries = [BIAS, big, STEP, W]
+    small = [Entry(f"model/s{i:02}", (1000, 50), True, 4, "torch.float32") for i in range(30)]  # 200 KB each
+    entries = [BIAS, big, STEP, W, *small]
     infos = [[Info(0, 1, 2, WHOLE)], None, None]
     choice = choose(infos)
     assert isinstance(choice, Choice)
     pieces = plan_pieces(entries, infos, choice, 3)
     dtypes = {e.key: e.dtype for e in entries}
-    for bucket, budget in ((4 << 20, 2 << 20), (4096, 4096)):
-        messages = plan_messages(pieces, entries, bucket=bucket)
-        assert set(messages) == {(0, 1), (0, 2)}
-        for pair, sent in messages.items():
-            # Rank 0 sends to two partners: they share its budget (never below 1 MiB, or
-            # the bucket itself where that is smaller).
-            assert all(m.numel * _itemsize(m.dtype) <= budget for m in sent), (bucket, pair)
-            assert all({dtypes[s.piece.key] for s in m.segments} == {m.dtype} for m in sent)
-            # Every element of every piece for this pair is in exactly one message, in order.
-            carried: dict = defaultdict(int)
-            for message in sent:
-                for piece, offset, numel in message.segments:
-                    assert offset == carried[piece], (piece.key, offset)
-                    carried[piece] += numel
-            assert carried == {p: p.numel for p in pieces if (p.src, p.dst) == pair}
-            assert len(sent) > 3, "the big tensor is split over several messages"
+    messages = plan_messages(pieces, entries, bucket=256 << 10, direct=64 << 10)
+    assert set(messages) == {(0, 1), (0, 2)}
+    for pair, sent in messages.items():
+        whole = [m for m in sent if len(m.segments) == 1 and m.numel * _itemsize(m.dtype) >= 64 << 10]
+        assert {m.segments[0].piece.key for m in whole} == {"model/big", *(e.key for e in small)}
+        assert all(m.round == 0 for m in whole), "whole pieces need no buffer: all in the first round"
+        packed = [m for m in sent if m not in whole]
+        # Rank 0 sends to two partners: they share its budget, 128 KB each.
+        assert all(m.numel * _itemsize(m.dtype) <= 128 << 10 for m in packed), pair
+        assert [m.round for m in packed] == list(range(len(packed))), "one packed message a round"
+        assert all({dtypes[s.piece.key] for s in m.segments} == {m.dtype} for m in sent)
+        # Every element of every piece for this pair is in exactly one message, in order.
+        carried: dict = defaultdict(int)
+        for message in sent:
+            for piece, offset, numel in message.segments:
+                assert offset == carried[piece], (piece.key, offset)
+                carried[piece] += numel
+        assert carried == {p: p.numel for p in pieces if (p.src, p.dst) == pair}
