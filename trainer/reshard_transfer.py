@@ -1,7 +1,8 @@
 """Carrying out a reshard plan (``regroup.trainer.reshard_plan``) over a process group.
 
-Local pieces are copied first; then each round posts every message of that round this rank
-sends or receives at once (``batch_isend_irecv``) and waits for them. A message of one
+Each round posts every message of that round this rank sends or receives at once
+(``batch_isend_irecv``) and waits for them; the pieces a rank holds itself are copied while
+the first round's messages are on the wire. A message of one
 contiguous run goes without a copy: sent from the held tensor's own memory, received
 straight into the destination tensor; only messages of several small runs are packed and
 unpacked, and a round's packed messages stay within the pair's budget.
@@ -59,11 +60,13 @@ def carry_out(
             flat_sources[(j, key)] = _flat(sources[j][key])
         return flat_sources[(j, key)]
 
-    with torch.no_grad():
+    def copy_own() -> None:
         for piece in pieces:
             if piece.src == me and piece.dst == me:
                 src = source(piece.state, piece.key)[piece.src_offset : piece.src_offset + piece.numel]
                 flat_dests[piece.key][piece.dst_offset : piece.dst_offset + piece.numel].copy_(src)
+
+    with torch.no_grad():
         mine = [m for (src, dst), msgs in sorted(messages.items()) if me in (src, dst) for m in msgs]
         if device is None:
             device = next(iter(flat_dests.values())).device if flat_dests else torch.device("cpu")
@@ -83,15 +86,19 @@ def carry_out(
                     received[message.src] = received.get(message.src, 0) + buffer.numel() * buffer.element_size()
                     if not direct:
                         unpack.append((message, buffer))
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+            works = dist.batch_isend_irecv(ops) if ops else []
+            if round_ == 0:
+                copy_own()  # while the first round's messages are on the wire (other bytes of the destinations)
+            for work in works:
+                work.wait()
             for message, buffer in unpack:
                 offset = 0
                 for piece, start, numel in message.segments:
                     at = piece.dst_offset + start
                     flat_dests[piece.key][at : at + numel].copy_(buffer[offset : offset + numel])
                     offset += numel
+        if not mine:
+            copy_own()
     return Traffic(received, sent, time.perf_counter() - started)
 
 

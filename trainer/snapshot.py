@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from regroup.rendezvous.inplace.formation import side_group
+from regroup.trainer.config import ConfigError
 from regroup.trainer.reshard import CHUNK, HeldState, flat_state, split_state
 from regroup.trainer.reshard_plan import flat_span
 from regroup.trainer.snapshot_cost import (
@@ -117,6 +118,11 @@ class Snapshots:
         lost without notice may cost (``snapshot.max_every``)."""
         if max_every < 1 or (every is not None and not 1 <= every <= max_every):
             raise ValueError(f"snapshots every {every} steps cannot keep a loss within max_every={max_every}")
+        if any(getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim != 1 for p in model.parameters()):
+            raise ConfigError(
+                "snapshot.every: in-memory snapshots need the model sharded over one dimension (elastic.world().mesh); "
+                "a 2-D mesh (HSDP) is not kept in memory: set snapshot.every: 0 (re-forms then load the checkpoint)"
+            )
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = rank, world_size
         self.auto = every is None

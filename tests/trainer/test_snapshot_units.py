@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from structlog.testing import capture_logs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from regroup.trainer.config import ConfigError
 from regroup.trainer.config_loading import config_from_dict
@@ -262,3 +264,12 @@ def test_a_costly_snapshot_is_still_taken_every_max_every_steps_and_the_cap_is_l
         assert chosen[-1]["cost_share"] == pytest.approx(0.35)
     assert snaps.every == max_every
     snaps.close()
+
+
+def test_a_model_sharded_over_a_two_dimensional_mesh_is_refused_saying_what_to_set(world_of_one: Runtime) -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = torch.nn.Linear(8, 4)
+    fully_shard(model, mesh=mesh)  # HSDP: replicated over one dimension, sharded over the other
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match=r"^snapshot.every: .*2-D mesh \(HSDP\).*set snapshot.every: 0"):
+        Snapshots(model, optimizer, 0, 1, ("", "n"), 1, timedelta(minutes=1))

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from bench.scale.launch import run_chain
+from bench.scale.report import chart, render, summarize
 
 MODEL = {"vocab_size": 1000, "dim": 512, "n_layers": 8, "n_heads": 4, "seq_len": 16}
 BUCKET = 8 << 20
@@ -122,3 +123,15 @@ def test_a_re_form_peaks_within_what_the_docs_state(chain: Records) -> None:
             bound = record["state_bytes"] + (handed if record["path"] in ("migrate", "shrink-planned") else 0)
             assert extra <= bound + 2 * BUCKET + 0.1 * steady, (record["path"], extra, bound)
             assert record["peak_rss"] <= 1.5 * steady, record["path"]
+
+
+def test_the_benchmark_reads_the_run_into_one_row_per_size_with_every_path(chain: Records, tmp_path: Path) -> None:
+    wrap = "ddp" if chain[0][0]["share_bytes"] < 0.9 * chain[0][0]["state_bytes"] else "fsdp"
+    row = summarize(wrap, "27M", 27_000_000, chain)
+    assert set(row["paths"]) == set(PATHS) - {"load"} and row["dcp"]["bytes"] > 300e6
+    assert row["snapshot"]["host_x_state"] == pytest.approx(4.0 if wrap == "fsdp" else 4 / PROCS, rel=0.01)
+    assert all(p["worst_storage_ratio"] == 1.0 for p in row["paths"].values())
+    table = render([row], ["a size left out"], "a machine")
+    assert all(f"| {wrap} | 27M | {path} |" in table for path in row["paths"]) and "- a size left out" in table
+    chart([row], tmp_path / "scale.png")
+    assert (tmp_path / "scale.png").stat().st_size > 10_000
