@@ -160,6 +160,8 @@ class Moved:
     """Peer rank -> bytes received from it."""
     sent_to: dict[int, int] = field(default_factory=dict)
     """Peer rank -> bytes sent to it."""
+    copied_bytes: int = 0
+    """Bytes this rank copied from what it held itself."""
 
     def summary(self) -> dict[str, Any]:
         """The fields of the resume's log event."""
@@ -266,6 +268,7 @@ def redistribute(
         traffic.seconds,
         traffic.received_from,
         traffic.sent_to,
+        traffic.copied,
     )
     return choice.step
 

@@ -29,6 +29,8 @@ class Traffic:
     """Peer rank -> bytes received from it."""
     sent_to: dict[int, int]
     """Peer rank -> bytes sent to it."""
+    copied: int
+    """Bytes this rank copied from what it holds itself."""
     seconds: float
     """From the first local copy to the last message."""
 
@@ -60,11 +62,15 @@ def carry_out(
             flat_sources[(j, key)] = _flat(sources[j][key])
         return flat_sources[(j, key)]
 
+    copied = 0
+
     def copy_own() -> None:
+        nonlocal copied
         for piece in pieces:
             if piece.src == me and piece.dst == me:
                 src = source(piece.state, piece.key)[piece.src_offset : piece.src_offset + piece.numel]
                 flat_dests[piece.key][piece.dst_offset : piece.dst_offset + piece.numel].copy_(src)
+                copied += piece.numel * src.element_size()
 
     with torch.no_grad():
         mine = [m for (src, dst), msgs in sorted(messages.items()) if me in (src, dst) for m in msgs]
@@ -99,7 +105,7 @@ def carry_out(
                     offset += numel
         if not mine:
             copy_own()
-    return Traffic(received, sent, time.perf_counter() - started)
+    return Traffic(received, sent, copied, time.perf_counter() - started)
 
 
 def _outgoing(message: Message, source: Callable[[int, str], torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -362,11 +362,12 @@ class Chain:
         assert moved is not None
         record.transfer_s, record.received_bytes, record.sent_bytes = moved.transfer_s, moved.received_bytes, moved.sent_bytes
         record.received_from, record.sent_to = moved.received_from, moved.sent_to
+        record.extra["copied_bytes"] = moved.copied_bytes
         self.held = []
         self.step = record.step
         self._after(record)
         if self.spec.floors:
-            record.extra |= floors.pairs(moved.received_from, moved.sent_to)
+            record.extra |= floors.pairs(moved.received_from, moved.sent_to, moved.copied_bytes)
         return record
 
     def _after(self, record: Record) -> None:

@@ -22,19 +22,28 @@ def _timed_copy(nbytes: int) -> float:
     return time.perf_counter() - started
 
 
-def _exchange(sends: dict[int, int], receives: dict[int, int], group: dist.ProcessGroup | None = None) -> float:
-    """One message per peer each way, all at once, as a reshard's round does: the seconds
-    from the start (every rank in step) to this rank's last byte."""
-    # Written once before: a page faulted in during the floor's own time is no part of it.
+def _exchange(
+    sends: dict[int, int], receives: dict[int, int], *, copied: int = 0, fresh: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """One message per peer each way, all at once, and ``copied`` bytes copied locally
+    meanwhile, as a reshard's first round does: the seconds from the start (every rank in
+    step) to this rank's last byte. ``fresh``: receive into memory never written (a
+    hand-off's new buffers), else into memory written before (a reshard's new model, a
+    snapshot's buffers), whose pages are already there."""
     buffers = {peer: torch.ones(n, dtype=torch.uint8) for peer, n in sends.items() if n}
-    inbox = {peer: torch.zeros(n, dtype=torch.uint8) for peer, n in receives.items() if n}
+    make = torch.empty if fresh else torch.zeros
+    inbox = {peer: make(n, dtype=torch.uint8) for peer, n in receives.items() if n}
+    local = (torch.ones(copied, dtype=torch.uint8), torch.zeros(copied, dtype=torch.uint8)) if copied else None
     dist.barrier(group=group)
     started = time.perf_counter()
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer, t in buffers.items()]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer, t in inbox.items()]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if local is not None:
+        local[1].copy_(local[0])
+    for work in works:
+        work.wait()
     return time.perf_counter() - started
 
 
@@ -51,16 +60,17 @@ def snapshot(own: int, received: int, buddy: list[int], rank: int) -> dict[str, 
     return {"floor_copy_s": _timed_copy(own), "floor_exchange_s": _slowest(exchange)}
 
 
-def pairs(received_from: dict[int, int], sent_to: dict[int, int]) -> dict[str, float]:
-    """A reshard's traffic (the same bytes between the same ranks), as plain messages."""
-    return {"floor_transfer_s": _slowest(_exchange(sent_to, received_from))}
+def pairs(received_from: dict[int, int], sent_to: dict[int, int], copied: int) -> dict[str, float]:
+    """A reshard's work, plainly: the same bytes between the same ranks as one message per
+    pair, and the same bytes copied locally, meanwhile."""
+    return {"floor_transfer_s": _slowest(_exchange(sent_to, received_from, copied=copied))}
 
 
 def handoff(nbytes: int, donor: int, keeper: int, rank: int) -> dict[str, float]:
     """A hand-off's bytes from the donor to its keeper, as one plain message."""
     sends = {keeper: nbytes} if rank == donor else {}
     receives = {donor: nbytes} if rank == keeper else {}
-    return {"floor_handoff_s": _slowest(_exchange(sends, receives))}
+    return {"floor_handoff_s": _slowest(_exchange(sends, receives, fresh=True))}
 
 
 def files(nbytes: int, folder: Path, rank: int) -> dict[str, float]:
