@@ -342,6 +342,14 @@ class Snapshots:
         """The world is ending: let an exchange in progress finish or fail, then stop the thread."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def copy_bytes(self) -> tuple[int, int]:
+        """(this rank's copy, the copy it keeps for its sender), in bytes of one generation;
+        (0, 0) until the first snapshot laid them out."""
+        if self._template is None:
+            return 0, 0
+        return self._own_layout.nbytes, self._sender_layout.nbytes
+
     # --- inside --------------------------------------------------------------------------
 
     def _plan(self) -> None:

@@ -302,11 +302,11 @@ class Chain:
             "auto_wanted": interval_for(cost, 10**6).wanted,
             "snapshot_copy_s": copy_s,
             "snapshot_exchange_s": exchange_s,
-            "snapshot_bytes": self.snaps._own_layout.nbytes,
+            "snapshot_bytes": self.snaps.copy_bytes[0],
         }
         if self.spec.floors:
             assert self.rt is not None
-            own, received = self.snaps._own_layout.nbytes, self.snaps._sender_layout.nbytes
+            own, received = self.snaps.copy_bytes
             record.extra |= floors.snapshot(own, received, self.snaps.buddy, self.rt.rank)
         self.digest = self.state_digest()
         return record

@@ -185,14 +185,15 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
             peaks.plot(sizes, [r["paths"][reform]["peak_x_steady"] for r in mine], style, marker="o", label=label)
         rates.plot(sizes, [r["dcp"]["save_ratio"] or float("nan") for r in mine], style, marker="s", label=f"{wrap} DCP save")
     rates.axhline(0.5, color="grey", linewidth=0.8)
-    measured = any(p["floor_ratio"] for r in rows for p in r["paths"].values())
-    rates.set(xscale="log" if measured else "linear", xlabel="job's model + optimizer state (GB)",
-              ylabel="rate / raw floor's rate", ylim=(0, 1.3))  # fmt: skip
+    ratios = [p["floor_ratio"] for r in rows for p in r["paths"].values() if p["floor_ratio"]]
+    ratios += [r["dcp"]["save_ratio"] for r in rows if r["dcp"]["save_ratio"]]
+    rates.set(xscale="log" if ratios else "linear", xlabel="job's model + optimizer state (GB)",
+              ylabel="rate / raw floor's rate", ylim=(0, max([1.3, *ratios]) + 0.1))  # fmt: skip
     rates.set_title("Each path against the same bytes through the raw floor")
     peaks.axhline(1.5, color="grey", linewidth=0.8)
     peaks.set(xscale="log", xlabel="job's model + optimizer state (GB)", ylabel="peak RSS / steady peak", ylim=(0, 1.8))
     peaks.set_title("A re-form's peak memory against steady training")
-    rates.legend(fontsize=6, ncol=2)
+    rates.legend(fontsize=6, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -26,17 +26,18 @@ from regroup.whatif.churn import WhatIfError
 GB = 1e9
 
 EFFICIENCY = {
-    "snapshot_copy": 0.5,
-    "snapshot_exchange": 0.8,
-    "handoff": 0.5,
-    "reshard_same": 0.5,
-    "reshard_changed": 0.5,
-    "dcp_save": 0.5,
+    "snapshot_copy": 0.70,
+    "snapshot_exchange": 0.90,
+    "handoff": 0.94,
+    "reshard_same": 0.98,
+    "reshard_changed": 0.86,
+    "dcp_save": 1.0,
 }
-"""A path's rate over its raw floor's, as ``bench scale`` measured it at its largest size
-(4 ranks, gloo, CPU): the share of a link's bandwidth the path gets. The same ratio is
-assumed on the published bandwidths; a GPU's copies and NCCL's sends are measured with a
-GPU (docs/benchmarks.md says which figures are)."""
+"""A path's rate over its raw floor's, as ``make bench ARGS="scale"`` measured it at its
+largest size (FSDP2, 134M parameters, 1.6 GB of state, 4 ranks on gloo, 2026-11-28; the
+slower of the paths that share a key; DCP's save ran at its floor): the share of a link's
+bandwidth the path gets. The same share is assumed of the published bandwidths; NCCL's
+sends and a GPU's copies are not measured here (no GPU was lent to that run)."""
 
 
 @dataclass(frozen=True)
