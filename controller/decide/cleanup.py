@@ -55,11 +55,14 @@ def removal(s: JobSnapshot, now: float, settings: CleanupSettings, out: Out) -> 
     if not (s.pods_synced and s.etcd_synced) or s.members:
         return None
     status = s.status
+    if s.finished and (status is None or status.state != FINISHED or not status.since):
+        # This decision's status write starts the clock; its own write does not wake the
+        # controller, and nothing else may follow, so a timer must: the retention, from now.
+        out.again_in(settings.retention.total_seconds())
+        return None
     if status is None:
         return None
     if s.finished:
-        if status.state != FINISHED or not status.since:
-            return None  # this decision's status write starts the clock
         since, reason, what = status.since, "finished", "finished"
     elif not s.pods and status.vacant_since:
         since, reason, what = status.vacant_since, "gone", "without pods or members"

@@ -62,6 +62,14 @@ def test_a_finished_job_keeps_its_keys_for_the_retention_then_loses_them_for_a_t
     assert d.actions == (remove,)
 
 
+def test_the_decision_that_finds_the_job_finished_looks_again_at_the_retention_by_itself() -> None:
+    # Its own status write starts the clock and wakes nobody: the members and pods may have
+    # gone before it, so no other event need follow.
+    d = decide(finished(job()), T0, S)
+    assert [w.status.since for w in of(d.actions, WriteStatus)] == [T0]
+    assert d.requeue_after == timedelta(seconds=RETENTION)
+
+
 def test_the_retention_counts_from_the_status_record_so_a_new_controller_does_not_wait_again() -> None:
     # A previous controller recorded the job finished 590 s ago; this one starts now.
     earlier = JobStatus(state="finished", reason="finished", node_count=0, updated_at=T0 - 590, since=T0 - 590)
