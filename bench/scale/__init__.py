@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
             needed, free = estimate(wrap, params, args.ranks), available()
             if needed > 0.85 * free:
                 notes.append(
-                    f"{wrap} {name}: left out: needs about {needed / 2**30:.1f} GiB at a re-form's peak "
+                    f"{wrap} {name}: left out: needs about {needed / 2**30:.1f} GiB at its peak "
                     f"({args.ranks} ranks), this machine has {free / 2**30:.1f} GiB available"
                 )
                 print(f"bench scale: {notes[-1]}", flush=True)

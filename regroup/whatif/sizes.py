@@ -26,16 +26,16 @@ from regroup.whatif.churn import WhatIfError
 GB = 1e9
 
 EFFICIENCY = {
-    "snapshot_copy": 0.70,
-    "snapshot_exchange": 0.90,
-    "handoff": 0.94,
-    "reshard_same": 0.98,
-    "reshard_changed": 0.86,
+    "snapshot_copy": 0.71,
+    "snapshot_exchange": 1.0,
+    "handoff": 1.0,
+    "reshard_same": 1.0,
+    "reshard_changed": 0.84,
     "dcp_save": 1.0,
 }
 """A path's rate over its raw floor's, as ``make bench ARGS="scale"`` measured it at its
 largest size (FSDP2, 134M parameters, 1.6 GB of state, 4 ranks on gloo, 2026-11-28; the
-slower of the paths that share a key; DCP's save ran at its floor): the share of a link's
+slower of the paths that share a key; capped at 1, the floor): the share of a link's
 bandwidth the path gets. The same share is assumed of the published bandwidths; NCCL's
 sends and a GPU's copies are not measured here (no GPU was lent to that run)."""
 
