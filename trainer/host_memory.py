@@ -6,8 +6,8 @@ is in place, but two things keep their memory: an FSDP2 module sits in reference
 freed blocks below its mmap threshold (up to 32 MB) in the process's heap. Without both,
 a process stays as large as it was at the re-form's peak, and grows with every re-form.
 A full collection takes about 0.2 s in a training process (hundreds of thousands of
-objects), so the run does this once, at the first step boundary after a re-form, not on
-the re-form's critical path.
+objects), so the run does this once, at the first step boundary after a re-form, once that
+step is counted and published: the re-form is over, and the next step starts 0.2 s later.
 """
 
 from __future__ import annotations

@@ -478,12 +478,13 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
             self._sample_log.write(json.dumps(record) + "\n")
             self._sample_log.flush()
         decided, request = self.boundary(local_loss, step._started)
-        if self._give_back:
-            self._give_back = False
-            give_back()  # once the new world trains: off the re-form's critical path
         self.last_loss = decided.loss
         if not self.change.first_step_done:
             self._resumed(time.perf_counter() - step._started)
+        if self._give_back:
+            # Once the new world has trained and said so: off the re-form's critical path.
+            self._give_back = False
+            give_back()
         if self.rt.rank == 0 and done % self.cfg.log_every == 0:
             log.info(
                 "step",
