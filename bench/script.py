@@ -37,6 +37,11 @@ all-reduces its loss every step (one small collective per step, as the API's bou
 then runs one more round of the plain loop and the API under cProfile (rank 0's main
 thread, CPU clock; ``bench/_profiled.py``, which also records every thread's CPU) and prints
 regroup's own per-step functions and rank 0's CPU per thread.
+
+``--compile-reform [--compile-backend B] [--compile-layers N]`` measures something else
+instead: what an in-place re-form (a loss, then a grow) costs the same model under
+``torch.compile`` against uncompiled, in recompiles and in the first step's time
+(``bench/_compile_reform.py``).
 """
 
 from __future__ import annotations
@@ -407,6 +412,8 @@ def base_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
+    # Each step's time and CPU come from rank 0's `step` log events: one a step, as the anchor logs.
+    env["REGROUP_LOG_EVERY"] = "1"
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "REGROUP_CHECKPOINT_DIR"):
         env.pop(key, None)
     return env
@@ -766,7 +773,17 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     parser.add_argument("--keep", help="keep the runs' logs in this folder (default: a temp dir, removed)")
     parser.add_argument("--json", help="also write the results as JSON here")
+    parser.add_argument(
+        "--compile-reform", action="store_true",
+        help="instead: a loss and a grow re-formed in place, torch.compile against uncompiled (recompiles, first step)",
+    )  # fmt: skip
+    parser.add_argument("--compile-backend", default="inductor", help="--compile-reform: the torch.compile backend")
+    parser.add_argument("--compile-layers", type=int, default=10, help="--compile-reform: the model's blocks")
     args = parser.parse_args(argv)
+    if args.compile_reform:
+        from bench._compile_reform import main as compile_reform
+
+        return compile_reform(args)
     rounds, steps, warmup = (1, 12, 4) if args.quick else (args.rounds, args.steps, args.warmup)
     if args.global_batch % WORLD:
         parser.error(f"--global-batch must divide by {WORLD}")

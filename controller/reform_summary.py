@@ -6,13 +6,15 @@ first evidence of the signal to the trainers' first step at the new size. A re-f
 which waiting nodes took every leaving node's position changed no size, and says who took
 whose place instead: ``n3 replaced by n5 at step 812, 0 steps lost, 0.9 s``
 (``NodeReplaced``), ``n2 migrated to n5 at step 812, 0 steps lost, 0.8 s`` (``NodeMigrated``).
+Workers that exited during the re-form instead of re-forming in place are told apart, with
+the likely cause their agents recorded (``WorkerExitedInReform``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from regroup.records import ReformCause, ReformOutcome, ReformPlan, ReformStrategy
+from regroup.records import MemberRecord, ReformCause, ReformOutcome, ReformPlan, ReformStrategy
 
 _CAUSES = {
     ReformCause.RECLAIM: "reclaim of",
@@ -70,6 +72,22 @@ def completion_event(plan: ReformPlan) -> tuple[str, str]:
     reason, verb = swap
     moves = ", ".join(f"{old} {verb} {new}" for old, new in sorted(plan.replaced.items()))
     return reason, f"{moves} at step {plan.resumed_from_step}, {_tail(plan)}"
+
+
+WORKER_EXITED = "WorkerExitedInReform"
+"""The Warning Event of a re-form during which workers exited instead of re-forming in place."""
+
+
+def worker_exit_text(members: Mapping[str, MemberRecord], plan: ReformPlan) -> str:
+    """``n2: the worker exited during an in-place re-form (exit 1): ...``: the nodes whose
+    workers exited during ``plan``'s re-form, by the line their agents recorded
+    (``MemberRecord.worker_exit``, of the world the re-form ended or a later one); "" if none."""
+    nodes: dict[str, list[str]] = {}
+    for node in sorted(set(plan.nodes_before) | set(plan.nodes_after)):
+        member = members.get(node)
+        if member is not None and member.worker_exit and member.worker_exit_round >= plan.round_before:
+            nodes.setdefault(member.worker_exit, []).append(node)
+    return "; ".join(f"{', '.join(names)}: {note}" for note, names in nodes.items())
 
 
 def replaced_text(replaced: Mapping[str, str]) -> str:

@@ -111,6 +111,8 @@ def emit_reform_trace(provider: Any, namespace: str, job: str, plan: ReformPlan)
         attributes["regroup.why"] = plan.why
     if plan.mode:
         attributes["regroup.reform.mode"] = plan.mode
+    if plan.worker_exit:
+        attributes["regroup.worker_exit"] = plan.worker_exit
     root = tracer.start_span("regroup.reform", context=trace.set_span_in_context(trace.INVALID_SPAN),
                              attributes=attributes, start_time=_ns(plan.detected_at))
     parent = trace.set_span_in_context(

@@ -348,11 +348,12 @@ def step_interval(progress: list[ProgressSample]) -> float:
     return statistics.median(rates) if rates else 0.0
 
 
-def useful_training_time(progress: list[ProgressSample]) -> float:
-    """Seconds spent computing steps that the final trajectory kept.
+def useful_training_time(progress: list[ProgressSample], since: float = 0.0) -> float:
+    """Seconds spent computing steps that the final trajectory kept, from ``since`` on.
 
     A stretch between two progress samples of one incarnation counts in proportion to its
-    steps that were not lost, i.e. not rolled back by a later resume from an older checkpoint.
+    steps that were not lost, i.e. not rolled back by a later resume from an older checkpoint;
+    a stretch that began before ``since`` counts from there.
     """
     parts = incarnations(progress)
     total = 0.0
@@ -363,7 +364,7 @@ def useful_training_time(progress: list[ProgressSample]) -> float:
             if b.step <= a.step:
                 continue
             kept = max(0, min(b.step, keep_until) - a.step)
-            total += (b.time - a.time) * kept / (b.step - a.step)
+            total += max(0.0, b.time - max(a.time, since)) * kept / (b.step - a.step)
     return total
 
 
@@ -371,7 +372,7 @@ def goodput(run: RunData) -> float:
     """Useful training time over the run's wall time (0..1)."""
     wall = run.ended_at - run.started_at
     # Progress carries the trainer's clock, the run's ends the recorder's: never above 1.
-    return min(1.0, useful_training_time(run.progress) / wall) if wall > 0 else 0.0
+    return min(1.0, useful_training_time(run.progress, run.started_at) / wall) if wall > 0 else 0.0
 
 
 def world_size_timeline(run: RunData) -> list[tuple[float, int]]:
@@ -381,12 +382,17 @@ def world_size_timeline(run: RunData) -> list[tuple[float, int]]:
     points: list[tuple[float, int]] = [(0.0, 0)]
     last: ProgressSample | None = None
     for sample in run.progress:
+        if sample.time < run.started_at:
+            # Trained before the scenario's clock started (the job settling): the line starts with it.
+            points[0] = (0.0, sample.world_size)
+            last = sample
+            continue
         if last is not None and sample.time - last.time > gap:
-            points.append((last.time - run.started_at + 0.01, 0))
+            points.append((max(0.0, last.time - run.started_at + 0.01), 0))
         points.append((sample.time - run.started_at, sample.world_size))
         last = sample
     if last is not None and run.ended_at - last.time > gap:
-        points.append((last.time - run.started_at + 0.01, 0))
+        points.append((max(0.0, last.time - run.started_at + 0.01), 0))
     points.append((run.ended_at - run.started_at, points[-1][1]))
     return points
 

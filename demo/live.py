@@ -8,6 +8,9 @@ line a second when the output is not a terminal (CI logs, pipes).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,8 +39,30 @@ class LiveSnapshot:
     """The last few events, newest last."""
 
 
-def phase_of(view: JobView, now: float, stale_after: float = 3.0) -> str:
-    """The job's current phase in a few words, from the controller's plan and progress."""
+FRESH_PROGRESS = 2.0
+"""Progress is fresh for at least this long, however often the job publishes it."""
+STALE_INTERVALS = 3
+"""Progress older than this many of the job's publishing intervals means it stopped training."""
+
+
+def stale_after(view: JobView, floor: float = FRESH_PROGRESS) -> float:
+    """How old the job's latest progress may be while the job still trains: a few of its
+    publishing intervals, ``floor`` at least. The interval is the longer of the one the
+    trainer announces (``progress_interval_s``: a user's script publishes every 5 s by
+    default, the demo's built-in trainer every 250 ms) and the median gap between the
+    records seen (a step slower than the interval publishes once a step)."""
+    announced = view.progress.extra.get("progress_interval_s") if view.progress is not None else None
+    interval = float(announced) if isinstance(announced, int | float) and math.isfinite(announced) else 0.0
+    arrivals = view.progress_arrivals
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    if gaps:
+        interval = max(interval, statistics.median(gaps))
+    return max(floor, STALE_INTERVALS * interval)
+
+
+def phase_of(view: JobView, now: float, stale: float | None = None) -> str:
+    """The job's current phase in a few words, from the controller's plan and progress;
+    progress older than ``stale`` seconds (default: ``stale_after(view)``) is a stop."""
     plan = view.plan
     if plan is not None and plan.phase != ReformPhase.DONE:
         how = [plan.cause.value, "planned" if plan.planned else "unplanned"]
@@ -49,7 +74,7 @@ def phase_of(view: JobView, now: float, stale_after: float = 3.0) -> str:
         return f"{status.state}: {status.reason}"
     if view.progress is None:
         return "starting"
-    if now - view.progress_seen_at > stale_after:
+    if now - view.progress_seen_at > (stale_after(view) if stale is None else stale):
         return "training stopped, waiting to resume"
     return "training" + _last_reform(view.progress)
 

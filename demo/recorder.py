@@ -10,6 +10,7 @@ recorded, as a watch would have delivered it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ class JobView:
 
     progress: Progress | None = None
     progress_seen_at: float = 0.0
+    progress_arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=21))
+    """When the last progress records were seen, oldest first: the job's publishing pace."""
     members: dict[str, MemberRecord] = field(default_factory=dict)
     plan: ReformPlan | None = None
     status: JobStatus | None = None
@@ -160,6 +163,7 @@ class JobRecorder:
     def _on_progress(self, progress: Progress, now: float) -> None:
         self.view.progress = progress
         self.view.progress_seen_at = now
+        self.view.progress_arrivals.append(now)
         body = asdict(progress)
         body.pop("extra", None)
         append_jsonl(self._progress_file, {"seen": now, **body})

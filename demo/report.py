@@ -180,6 +180,13 @@ def _cause(reform: Reform, strategy: Strategy | None = None) -> str:
     return f"{reform.cause} ({how})" if how else reform.cause
 
 
+def worker_exit_lines(reforms: list[Reform]) -> list[str]:
+    """``#2 n2: the worker exited during an in-place re-form (exit 1): ...``: a line for
+    each re-form (numbered as in the table) during which workers exited instead of
+    re-forming in place, with the likely cause."""
+    return [f"#{i} {r.worker_exit}" for i, r in enumerate(reforms, 1) if r.worker_exit]
+
+
 def reform_latency_chart(run: RunData) -> str | None:
     reforms = run_reforms(run)
     if not reforms:
@@ -383,6 +390,7 @@ def build_report(runs: list[RunData], path: Path) -> Path:
                     else []
                 ),
                 f"<pre>{html.escape(format_table(run_reforms(run), origin=run.started_at, resume_split=True))}</pre>",
+                *(f"<p><strong>{html.escape(line)}</strong></p>" for line in worker_exit_lines(run_reforms(run))),
             ]
     parts += [
         "<h2>Per scripted event</h2>",
@@ -459,7 +467,9 @@ def summary_text(runs: list[RunData], report: Path) -> str:
         lines.append(f"  {name:<34}" + "".join(f"{fmt(s):>{width}}" for s in summaries))
     for run in runs:
         if run.spans:
-            lines += ["", f"re-forms ({run.mode}):", format_table(run_reforms(run), origin=run.started_at)]
+            reforms = run_reforms(run)
+            lines += ["", f"re-forms ({run.mode}):", format_table(reforms, origin=run.started_at)]
+            lines += worker_exit_lines(reforms)
     lines.append("")
     lines += [throughput_line(run) for run in runs]
     for run in runs:

@@ -37,8 +37,11 @@ class RunState:
     cluster: LocalCluster | None = None
     recorder: JobRecorder | None = None
     launched_at: float = 0.0
+    trained_at: float = 0.0
+    """When the job first trained."""
     started_at: float = 0.0
-    """When the job first trained: scenario times count from here."""
+    """When the scenario's clock started (``regroup.demo.runner.start_clock``): once the job
+    trained and settled, its spares waiting. Scenario times count from here."""
     delay: float = 0.0
     """Seconds the script was pushed back waiting for the job to settle (see ``regroup.demo.runner``)."""
     flaky: dict[str, FlakyNode] = field(default_factory=dict)
@@ -63,7 +66,9 @@ class RunState:
     def snapshot(self) -> LiveSnapshot:
         now = time.time()
         elapsed = now - self.started_at if self.started_at else 0.0
-        if not self.started_at and self.launched_at:
+        if not self.started_at and self.trained_at:
+            upcoming_text = f"waiting for the job to settle ({now - self.trained_at:.0f}s since its first step)"
+        elif not self.started_at and self.launched_at:
             upcoming_text = f"waiting for the first training step ({now - self.launched_at:.0f}s since the agents started)"
         else:
             upcoming_text = None

@@ -11,14 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import itertools
 import json
-import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,7 +23,7 @@ import structlog
 
 from regroup.controller.cluster import NodeInfo
 from regroup.demo.local_cluster import LocalCluster
-from regroup.demo.live import LiveView
+from regroup.demo.live import LiveView, stale_after
 from regroup.demo.nodes import (
     CONTROLLED,
     NAMESPACE,
@@ -53,26 +50,15 @@ STARTUP_TIMEOUT = 240.0
 SETTLE_TIMEOUT = 180.0
 """How long a scripted event waits at most for the job to settle after the previous one
 (a restored node starts its agent and trainer from scratch: torch imports on a busy machine)."""
-FRESH_PROGRESS = 2.0
-"""Progress older than this (or than a few of the job's own publishing intervals, if it
-publishes less often: a user's script may) means the job is not training."""
 
 
 @dataclass
 class Pace:
-    """How often the job publishes progress, and (for a user's script that does not report
-    ``resumed_from_step``) the first step each flaky node's incarnation was seen at."""
+    """For a user's script that does not report ``resumed_from_step``: the first step each
+    flaky node's incarnation was seen at."""
 
-    seen: deque[float] = field(default_factory=lambda: deque(maxlen=21))
     first_steps: dict[str, int] | None = None
     """Flaky node -> first step seen since its last crash; None: progress reports its resume point."""
-
-    def saw(self, progress: Progress) -> None:
-        self.seen.append(time.time())
-
-    def stale_after(self) -> float:
-        gaps = [b - a for a, b in itertools.pairwise(self.seen)]
-        return max(FRESH_PROGRESS, 3 * statistics.median(gaps)) if gaps else FRESH_PROGRESS
 
 
 def _schedulable(node: NodeInfo) -> bool:
@@ -92,7 +78,7 @@ def _world_bounds(run: RunState) -> tuple[int, int]:
     )
 
 
-def _unsettled(run: RunState, final: bool = False, pace: Pace | None = None) -> str:
+def _unsettled(run: RunState, final: bool = False) -> str:
     """Why the job is not settled yet, or "" once it is: it trains (fresh progress) in a
     world of every usable node (a node that came back trains in it, not just has an agent
     up: its agent and trainer start from scratch first), and no re-form is in flight. At
@@ -102,7 +88,8 @@ def _unsettled(run: RunState, final: bool = False, pace: Pace | None = None) -> 
     view = run.recorder.view if run.recorder else None
     if view is None or view.progress is None:
         return "no progress yet"
-    fresh = pace.stale_after() if pace is not None else FRESH_PROGRESS
+    # Progress older than a few of the job's own publishing intervals: it is not training.
+    fresh = stale_after(view)
     if time.time() - view.progress_seen_at > fresh:
         return f"no progress for {time.time() - view.progress_seen_at:.0f}s"
     if final and run.cluster is not None:
@@ -147,21 +134,38 @@ def _replaced(run: RunState, node: str) -> bool:
     return at_max and node not in view.round_state.nodes
 
 
-async def _wait_settled(run: RunState, timeout: float, final: bool = False, pace: Pace | None = None) -> None:
-    """Push the script back until the job settles (at most ``timeout``), so each event's
-    re-form is over before the next one starts on a slow machine too. Giving up is
-    recorded (a ``NotSettled`` event, with why): what follows did not play as written."""
+async def _settle(run: RunState, timeout: float, final: bool = False) -> float:
+    """Wait until the job settles (at most ``timeout``); returns the seconds waited. Giving
+    up is recorded (a ``NotSettled`` event, with why): what follows did not play as written."""
     started = time.time()
-    while why := _unsettled(run, final, pace):
+    while why := _unsettled(run, final):
         if time.time() - started >= timeout:
             why = f"gave up after {timeout:.0f}s waiting for the job to settle: {why}"
             run.record("demo", "NotSettled", why, type_="Warning")
             break
         await asyncio.sleep(0.2)
-    run.delay += time.time() - started
+    return time.time() - started
 
 
-async def _play(run: RunState, events: tuple[ChurnEvent, ...], pace: Pace | None = None) -> None:
+async def _wait_settled(run: RunState, timeout: float, final: bool = False) -> None:
+    """Push the script back until the job settles (at most ``timeout``), so each event's
+    re-form is over before the next one starts on a slow machine too."""
+    run.delay += await _settle(run, timeout, final)
+
+
+async def start_clock(run: RunState, timeout: float = SETTLE_TIMEOUT) -> None:
+    """Start the scenario's clock (``run.started_at``). With the controller, once the job has
+    trained and settled: every node it starts with in its world and, with spares, its
+    spares waiting (a spare node starts once the job trains, and its agent and workers start
+    from scratch). So the first event does not wait for the start-up, and the events land at
+    their scripted times. Without it (the baseline) at the first step, as the churn waits
+    for no job."""
+    if run.mode in CONTROLLED:
+        await _settle(run, timeout)
+    run.started_at = time.time()
+
+
+async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
     """Fire each event at its time; with regroup, never before the previous event's re-form is over."""
     assert run.cluster is not None
     for event in events:
@@ -170,7 +174,7 @@ async def _play(run: RunState, events: tuple[ChurnEvent, ...], pace: Pace | None
             await asyncio.sleep(delay)
         if run.mode in CONTROLLED:
             # The baseline plays at the scripted times: churn does not wait for a job to recover.
-            await _wait_settled(run, SETTLE_TIMEOUT, pace=pace)
+            await _wait_settled(run, SETTLE_TIMEOUT)
         run.record("scenario", event.action, event.describe(), event.nodes, "Warning")
         for node in event.nodes:
             if event.action == "reclaim":
@@ -364,7 +368,6 @@ async def run_scenario(
         run.cluster = LocalCluster(
             NAMESPACE, scenario.job.name, annotations, launcher, on_event=run.on_cluster_event
         )  # fmt: skip
-        run.recorder.view.progress_listeners.append(pace.saw)
         run.recorder.view.progress_listeners.append(lambda p: _inject_faults(run, p, pace))
         async with contextlib.AsyncExitStack() as stack:
             # Tasks whose early end (a crash) ends the run with an error instead of a silent stall.
@@ -399,11 +402,12 @@ async def run_scenario(
                     f"{exc}: no progress record in etcd; a script must publish progress through "
                     f"regroup.trainer.elastic (see docs/demo.md, 'Your own script'); its output is in {layout.logs}"
                 ) from None
-            run.started_at = time.time()
+            run.trained_at = time.time()
             for node in spares:
                 await run.cluster.add_node(node)
+            await await_vital(start_clock(run), vital, SETTLE_TIMEOUT + 60, "the job to settle")
             await stack.enter_async_context(owned_task(_crash_at_start(run), "faults"))
-            player = await stack.enter_async_context(owned_task(_play(run, scenario.events, pace), "scenario"))
+            player = await stack.enter_async_context(owned_task(_play(run, scenario.events), "scenario"))
             # The run lasts its duration plus whatever the script was pushed back, and ends
             # once the last event's re-form is over (or the settle time ran out).
             while True:
@@ -415,7 +419,7 @@ async def run_scenario(
             if player.exception() is not None:
                 raise RuntimeError(f"the scenario failed: {player.exception()!r}") from player.exception()
             if mode in CONTROLLED:
-                await _wait_settled(run, SETTLE_TIMEOUT, final=True, pace=pace)
+                await _wait_settled(run, SETTLE_TIMEOUT, final=True)
             ended_at = time.time()
             view.draw()
     finally:
@@ -434,6 +438,7 @@ async def run_scenario(
         "nproc_per_node": scenario.job.nproc_per_node,
         "duration": scenario.duration.total_seconds(),
         "launched_at": run.launched_at,
+        "trained_at": run.trained_at,
         "started_at": run.started_at,
         "ended_at": ended_at,
         "script_delay": run.delay,

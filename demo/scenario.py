@@ -33,8 +33,10 @@ class ChurnEvent:
     """One scripted thing that happens to the cluster."""
 
     at: timedelta
-    """When, from the first training step; an event also waits (up to a minute) for the
-    previous one's re-form to finish, so each event's cost is measured on its own."""
+    """When, on the scenario's clock: from the moment the job first trains settled (every
+    node it starts with in its world, its spares waiting). An event also waits (up to three
+    minutes) for the previous one's re-form to finish, so each event's cost is measured on
+    its own; that wait pushes the events after it back by as much."""
     action: Action
     """``reclaim``: a reclaim taint with a notice, then the node is killed; ``evict``: the
     node's pod is evicted as the Eviction API does it (``DisruptionTarget=True`` and the
@@ -121,7 +123,8 @@ class Scenario:
     together and form the job; the others start once it trains and wait as its spares, so
     the nodes the script names are the ones training."""
     duration: timedelta
-    """Wall time of the run, from the first agent's start."""
+    """How long the scenario plays, on its clock (``ChurnEvent.at``): from the moment the job
+    first trains settled, plus any time the events waited for the job to settle."""
     job: JobSpec
     events: tuple[ChurnEvent, ...]
     """Sorted by ``at``."""

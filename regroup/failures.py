@@ -55,6 +55,11 @@ def record_failure(exc: BaseException, env: dict[str, str] | None = None) -> Non
         pass
 
 
+def recorded(folder: str | os.PathLike[str], local_rank: int) -> bool:
+    """Whether worker ``local_rank`` told why it failed (not yet taken by ``take_failures``)."""
+    return Path(folder, str(local_rank)).exists()
+
+
 def take_failures(folder: str | os.PathLike[str]) -> list[str]:
     """The kinds the workers reported since the last call, clearing them."""
     kinds = []

@@ -189,6 +189,11 @@ class MemberRecord(Record):
     """Unix time of the first such failure in that round."""
     failed_peer: str = ""
     """The host the failed collective named ("" when the backend names none)."""
+    worker_exit: str = ""
+    """Why a worker of this agent exited during an in-place re-form, likely, in one line
+    (``regroup.rendezvous.inplace.exits``; "" if none did): the re-form became a restart."""
+    worker_exit_round: int = 0
+    """The round of the world that worker was in (or leaving) when it exited."""
 
 
 @dataclass(frozen=True)
@@ -358,6 +363,10 @@ class ReformPlan(Record):
     replaced: dict[str, str] = field(default_factory=dict)
     """Leaving or lost node -> the waiting node that takes its position in ``nodes_after``
     (its ranks and mesh coordinates)."""
+    worker_exit: str = ""
+    """The nodes whose workers exited during the re-form instead of re-forming in place,
+    with the likely cause their agents recorded, in one line ("" if none): shown in the
+    ``WorkerExitedInReform`` Event and the trace (``regroup.worker_exit``)."""
 
     def __post_init__(self) -> None:
         # JSON (and older callers) hand in plain strings; an unknown one raises ValueError,

@@ -21,6 +21,8 @@ from regroup.records import TRACED_PHASES, Progress, ReformPhase
 from regroup.telemetry import read_spans
 
 REFORM_SPAN = "regroup.reform"
+WORKER_EXIT_ATTR = "regroup.worker_exit"
+"""The root span's line on workers that exited during the re-form instead of re-forming in place."""
 PHASES: tuple[str, ...] = TRACED_PHASES
 RESUME_PHASES: tuple[str, ...] = Progress.RESUME_PHASES
 _RESUME_ATTR = "regroup.resume."
@@ -47,6 +49,9 @@ class Reform:
     resume_phases: dict[str, float] = field(default_factory=dict)
     """Seconds of the resume phase by sub-phase (``RESUME_PHASES``), as the trainer reported them."""
     attributes: dict[str, Any] = field(default_factory=dict)
+    worker_exit: str = ""
+    """Which nodes' workers exited during the re-form instead of re-forming in place, and the
+    likely cause ("" if none did)."""
 
     @property
     def duration(self) -> float:
@@ -103,6 +108,7 @@ def reforms_from_spans(spans: list[dict[str, Any]]) -> list[Reform]:
                 mode=str(attrs.get("regroup.reform.mode", "")),
                 resume_phases=resume_split,
                 attributes=dict(attrs),
+                worker_exit=str(attrs.get(WORKER_EXIT_ATTR, "")),
             )
         )
     return sorted(reforms, key=lambda r: r.start)

@@ -105,6 +105,11 @@ class AgentKeys:
             dataclasses.replace(self.member, peer_failure_round=round, peer_failure_at=at, failed_peer=peer)
         )
 
+    def note_worker_exit_soon(self, round: int, note: str) -> None:
+        """Record in the member key why a worker exited during the in-place re-form of
+        ``round``'s world (``note``, one line): the controller tells it in the re-form's Event."""
+        self._member_changed(dataclasses.replace(self.member, worker_exit=note, worker_exit_round=round))
+
     async def start_over(self) -> None:
         """Become a new agent of the same node (a new registration time, so a new agent id):
         the old one is the agent a round left out, and a round never admits that one again.

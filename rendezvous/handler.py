@@ -170,6 +170,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except RuntimeError:
             pass  # the loop is closed: this agent has left already
 
+    def note_worker_exit(self, round: int, note: str) -> None:
+        """A worker exited during the in-place re-form of ``round``'s world, likely for the
+        reason ``note`` says (one line): put it in this agent's member record. From any thread."""
+        try:
+            self._shared.loop.loop.call_soon_threadsafe(self._keys.note_worker_exit_soon, round, note)
+        except RuntimeError:
+            pass  # the loop is closed: this agent has left already
+
     def notice_leaving(self, since: float, by: float, stop_at: float, reason: str) -> None:
         """This agent was told to stop (SIGTERM) at ``since`` and must be gone by ``by``: say so
         in its member record (``leaving_since``, ``leaving_by``: the controller's cue for a

@@ -287,8 +287,9 @@ class TrainConfig:
     """``auto``: CUDA (NCCL, bf16 params) when present, else CPU (gloo, fp32)."""
     step_time_floor: timedelta = timedelta(0)
     """Pad each step to at least this long, so tiny CPU runs move at a watchable pace."""
-    log_every: int = 1
-    """Log a ``step`` event every N steps."""
+    log_every: int = 10
+    """Rank 0 logs a ``step`` event every N steps (default: env REGROUP_LOG_EVERY, else 10):
+    a line a step floods a fast job's logs, and progress goes to etcd whatever this says."""
     faults: tuple[Fault, ...] = ()
     """Injected failures (also from env REGROUP_TRAINER_FAULTS as JSON)."""
 

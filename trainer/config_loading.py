@@ -53,6 +53,8 @@ def config_from_dict(
         tree["checkpoint"] = {**(tree.get("checkpoint") or {}), "dir": env["REGROUP_CHECKPOINT_DIR"]}
     if env.get("REGROUP_SAMPLE_LOG") and not (tree.get("data") or {}).get("sample_log"):
         tree["data"] = {**(tree.get("data") or {}), "sample_log": env["REGROUP_SAMPLE_LOG"]}
+    if env.get("REGROUP_LOG_EVERY") and "log_every" not in tree:
+        apply_override(tree, f"log_every={env['REGROUP_LOG_EVERY']}")
     faults_env = env.get("REGROUP_TRAINER_FAULTS")
     if faults_env:
         try:

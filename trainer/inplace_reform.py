@@ -1,16 +1,23 @@
 """In-place re-forms (under ``regroup-run``), the leaving half: at an agreed boundary, or
 when a collective failed because a peer went away, a run's world ends; it keeps what it can
 of the state in memory (its shards, the leaving ranks' handed over, the snapshots) for the
-next world, which ``regroup.trainer.elastic.session`` forms and the next run restores into."""
+next world, which ``regroup.trainer.elastic.session`` forms and the next run restores into.
+
+The world ends with ``Reform``, a ``BaseException``: the script's ``except Exception`` and a
+wrapper's (``@hydra.main``) let it through to ``in_place``. The run also tells the session
+(``Session.ended``), so that a script that catches it anyway cannot turn the re-form into
+an exit or a return."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import structlog
 
-from regroup.rendezvous.inplace.membership import Interrupted, ReformFailed
+from regroup.rendezvous.inplace.membership import Reform, ReformFailed
 from regroup.trainer.boundary import Boundary
 from regroup.trainer.handoff import hand_off
 from regroup.trainer.reshard import HeldState, hold_state
@@ -26,6 +33,7 @@ if TYPE_CHECKING:
     from regroup.trainer.checkpoint import Checkpointer
     from regroup.trainer.distributed import Runtime
     from regroup.trainer.elastic.options import Options
+    from regroup.trainer.elastic.session import Session
     from regroup.trainer.progress import Counters
     from regroup.trainer.snapshot import Snapshots
     from regroup.trainer.stopping import StopSignal
@@ -42,6 +50,7 @@ class InPlaceReforms:
     ``resume`` and ``_fault_step`` are the run's)."""
 
     cfg: Options
+    session: Session
     rt: Runtime
     world: ElasticWorld | None
     stop: StopSignal
@@ -54,7 +63,14 @@ class InPlaceReforms:
     _fault_step: Callable[[str], int | None]
 
     def _reform_due(self) -> bool:
-        return self.world is not None and self.world.reform_due()
+        """Whether this rank's agent announced a re-form (asked before each agreement).
+        A world whose groups were aborted for one can agree on nothing more: it ends here
+        (the script caught the failed collective of its step and went on)."""
+        if self.world is None or not self.world.in_place:
+            return False
+        if self.world.aborted:
+            raise self._end_world("the world's groups were aborted for a re-form", clean=False)
+        return self.world.reform_due()
 
     def _leave_if_due(self, decided: Boundary) -> None:
         """An announced re-form, or a peer stopping while this rank was not asked to (its
@@ -62,7 +78,28 @@ class InPlaceReforms:
         if self.world is None or not self.world.in_place:
             return
         if decided.reform or (decided.stop and not self.stop.requested):
-            raise Interrupted("re-form at this step boundary" if decided.reform else "a peer is leaving")
+            raise self._end_world("re-form at this step boundary" if decided.reform else "a peer is leaving")
+
+    @contextmanager
+    def _world_failures(self) -> Iterator[None]:
+        """Around the step boundary: a collective of it that fails for a re-form (a peer
+        gone, the groups aborted after an announcement) ends the world with ``Reform``, not
+        with the backend's error, which the script's ``except Exception`` would catch."""
+        try:
+            yield
+        except Exception as exc:
+            if self.world is None or not self.world.in_place or not self.world.interrupted(exc):
+                raise
+            raise self._end_world(f"a collective of the step boundary failed: {exc}", clean=False) from exc
+
+    def _end_world(self, why: str, clean: bool = True) -> Reform:
+        """The ``Reform`` that ends this world (``clean``: at a boundary every rank agreed
+        on), told to the session and to the agent before it is raised."""
+        ended = Reform(why, clean=clean)
+        self.session.ended = ended
+        if self.world is not None:
+            self.world.reform_begins(why)
+        return ended
 
     def leave_world(self, clean: bool) -> tuple[list[HeldState], bool]:
         """This run's world is ending: settle its checkpoint, keep what it can of the state in

@@ -85,6 +85,8 @@ class ProgressReports:
             resume_phases=dict(self.change.phases),
             extra={
                 "state": c.state,
+                # How often this record comes: a reader tells a stopped job from a quiet one.
+                "progress_interval_s": self._progress_interval() if self.cfg.etcd else None,
                 "samples_per_s": round(self.samples_per_s, 3),
                 "checkpoint_saves": c.checkpoint_saves,
                 "requests_honoured": c.requests_honoured,

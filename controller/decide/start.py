@@ -1,5 +1,6 @@
 """Starting a re-form when no plan is in flight: replace lost nodes, shrink ahead of a
-reclaim, shrink to max, grow with joiners, or report the job stalled below min."""
+reclaim, shrink to max, grow with joiners, or report the job stalled below min (a job
+whose first round has not formed yet first gets the rendezvous' time to gather its nodes)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def start(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     if joiners and live < config.max_nodes:
         return _grow(sit, world, joiners, newest)
     if world and live < config.min_nodes:
+        if not sit.s.world_round:
+            return _first_round(sit, world, newest)
         return _stall(sit.s, sit.out, newest, f"{live} nodes, below min {config.min_nodes}")
     if joiners:
         return f"{len(joiners)} nodes waiting, job at max {config.max_nodes}", False
@@ -129,6 +132,21 @@ def _grow(sit: Situation, world: AbstractSet[str], joiners: list[str], newest: P
     deadline = now + config.checkpoint_timeout.total_seconds()
     _begin(sit, ReformCause.GROW, planned, f"nodes joining: {added}", before, target, min(opened, now), deadline)
     return f"grow to {len(target)} nodes: {added} joining", False
+
+
+def _first_round(sit: Situation, world: AbstractSet[str], newest: PodInfo | None) -> tuple[str, bool]:
+    """No round has formed yet and fewer than min nodes have registered for the first: the
+    agents of a starting job register one by one, so this is how every job starts, not a
+    stall. It is one once the nodes have had the rendezvous' time to gather
+    (``rendezvous_timeout`` since the first of them registered) and are still too few."""
+    s, now, config = sit.s, sit.now, sit.config
+    first = min((joiner_seen(s, n) for n in world if n in s.members), default=now)
+    gave_up_at = first + sit.settings.reform.rendezvous_timeout.total_seconds()
+    if now < gave_up_at:
+        sit.out.again_in(gave_up_at - now)
+        return f"starting: {len(world)} of min {config.min_nodes} nodes registered for the first round", False
+    why = f"{len(world)} nodes, below min {config.min_nodes}, {now - first:.0f}s after the first registered"
+    return _stall(s, sit.out, newest, why)
 
 
 def trainer_answers(s: JobSnapshot) -> bool:

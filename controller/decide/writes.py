@@ -13,7 +13,7 @@ from operator import attrgetter
 from typing import Any
 
 from regroup.controller.decide.out import Out
-from regroup.controller.reform_summary import completion_event
+from regroup.controller.reform_summary import WORKER_EXITED, completion_event, worker_exit_text
 from regroup.controller.snapshot import (
     AFTER_PREVIOUS_PLAN,
     JobSnapshot,
@@ -96,9 +96,13 @@ def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome,
     nodes' positions: ``reform_summary.completion_event``); one that did not complete is
     abandoned loudly (a Warning Event on each of the job's pods; the trace and the metric
     carry ``why``), and the decision goes on to start what the job needs now
-    (``out.abandoned``)."""
-    done = evolve(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why)
+    (``out.abandoned``). Workers that exited during it instead of re-forming in place are
+    told by a Warning Event of their own, with the cause their agents recorded."""
+    exits = worker_exit_text(s.members, plan)
+    done = evolve(plan, phase=ReformPhase.DONE, outcome=outcome, finished_at=now, why=why, worker_exit=exits)
     out.actions.append(WritePlan(done, s.plan_revision, finished=True))
+    if exits:
+        out.actions.append(PostPodEvents(s.pods, "Warning", WORKER_EXITED, f"re-form {plan.generation}: {exits}"))
     if outcome == ReformOutcome.COMPLETED:
         reason, message = completion_event(done)
         out.actions.append(PostPodEvents(s.pods, "Normal", reason, message))

@@ -20,7 +20,8 @@ SIGTERM is a notice to leave, not a kill (``regroup.rendezvous.inplace.notice``)
 controller leads the job the workers train on until it leaves this node out (their shards
 are handed over on the way), within ``term_grace``; otherwise they are stopped at once.
 Either way the agent exits ``LEFT_JOB`` (75): a node never reports success for a job that
-goes on. A second SIGTERM, or SIGINT, stops at once (torch's way).
+goes on. A second SIGTERM, or SIGINT, stops at once (torch's way; ``regroup-run`` then
+ends with one line instead of torch's traceback, see ``regroup.rendezvous.inplace.launcher``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from regroup.exit_codes import FINISHED, LEFT_JOB
+from regroup.failures import FAILURE_DIR_ENV
 from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinStopped, LeftJob
 from regroup.rendezvous.store import RoundAbandoned
 from regroup.rendezvous.inplace.channel import (
@@ -61,6 +63,7 @@ from regroup.rendezvous.inplace.channel import (
     report_file,
     write_atomically,
 )
+from regroup.rendezvous.inplace.exits import REFORM_EXIT, read_reform_exit
 from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE, StopNotice, overdue, take_notice
 
 log = structlog.get_logger("regroup.inplace.agent")
@@ -173,6 +176,7 @@ class InPlaceAgent(LocalElasticAgent):
                     self._exit_barrier()
                     return run_result
                 if state in {WorkerState.UNHEALTHY, WorkerState.FAILED}:
+                    self._note_reform_exits(run_result)
                     if self._notice is not None:
                         raise self._leave(f"its workers failed ({state.name}) while it was leaving the job")
                     if self._remaining_restarts > 0:
@@ -211,6 +215,26 @@ class InPlaceAgent(LocalElasticAgent):
             report = file.poll()  # a stat per tick; parsed only when the worker rewrote it
             if report is not None and report.peer_failure_round:
                 note(report.peer_failure_round, report.peer_failure_at, report.failed_peer)
+
+    def _note_reform_exits(self, result: RunResult) -> None:
+        """Say why a worker that exited during an in-place re-form likely did
+        (``regroup.rendezvous.inplace.exits``): one warning, and the member record, whose
+        line the controller puts in the re-form's Event and trace."""
+        if not self._in_place:
+            return
+        handler = self._worker_group.spec.rdzv_handler
+        failures = os.environ.get(FAILURE_DIR_ENV, "")
+        for failure in result.failures.values():
+            found = read_reform_exit(self._channel, failures, failure.local_rank, failure.pid, failure.exitcode)
+            if found is None:
+                continue
+            log.warning(
+                REFORM_EXIT, node=str(getattr(handler, "node", "")), local_rank=failure.local_rank, pid=failure.pid,
+                exit_code=failure.exitcode, round=found.round, last_state=found.last_state,
+                announced=found.announced, note=found.note,
+            )  # fmt: skip
+            getattr(handler, "note_worker_exit", lambda round, note: None)(found.round, found.note)
+            return  # one line per failure of the group: the first worker's
 
     # -- SIGTERM: a notice, not a kill ------------------------------------------------------------
 

@@ -32,6 +32,10 @@ re-form, so they take their worlds from the channel but never re-form in place."
 
 WORLD_FILE = "world.json"
 
+REFORMING = "re-forming"
+"""A worker's state (``WorkerReport.state``) from the moment its world ends for a re-form
+until it leaves it."""
+
 WAIT_EXPIRED = "in-place wait expired"
 """The one log event (a warning) of every bounded wait of the in-place hand-off that runs
 out, on either side of the channel: ``waited_for`` (what), ``timeout_s`` and
@@ -99,7 +103,8 @@ class WorkerReport(Record):
     round: int
     """The round of the process group it runs in (0: none yet)."""
     state: str
-    """``waiting`` (for a world), ``running`` or ``leaving`` (its old group)."""
+    """``waiting`` (for a world), ``running``, ``re-forming`` (its world ends for a re-form:
+    agreed at a step boundary, or a collective failed for one) or ``leaving`` (its old group)."""
     written_at: float = 0.0
     peer_failure_round: int = 0
     """The round in which a collective of this worker failed because a peer went away (0:

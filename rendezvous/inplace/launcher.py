@@ -16,6 +16,8 @@ failed out of the next round for a while, so the others train on without it;
 ``--term-grace`` is the pod's ``terminationGracePeriodSeconds``: after SIGTERM the agent keeps
 its workers training while a controller hands the node's work over, for at most that long
 (``regroup.rendezvous.inplace.notice``), and exits 75 (``regroup.exit_codes.LEFT_JOB``).
+A stop at once (SIGINT, or a second SIGTERM) stops the workers as torch does and ends with
+one line, not torch's ``SignalException`` traceback: exit 75 for SIGTERM, 128+signal else.
 
 With the ``etcd-v3`` backend the workers also get ``REGROUP_ETCD_ENDPOINT`` (from
 ``--rdzv-endpoint``) unless their environment sets it already, so a script finds its job's
@@ -32,10 +34,18 @@ import sys
 from collections.abc import MutableMapping
 from datetime import timedelta
 
+import structlog
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from regroup.exit_codes import LEFT_JOB
 from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE
 from regroup.rendezvous.joining import LeftJob
+
+log = structlog.get_logger("regroup.inplace.launcher")
+STOPPED = "stopped by a signal"
+"""Logged once when a signal stops the agent at once (SIGINT, a second SIGTERM), instead of
+a traceback: a planned stop, not a failure."""
 
 ETCD_ENDPOINT_ENV = "REGROUP_ETCD_ENDPOINT"
 ETCD_BACKEND = "etcd-v3"
@@ -93,6 +103,16 @@ def _leave_before_starting(signum: int, frame: object) -> None:
     raise LeftJob("told to stop (SIGTERM) before the agent started")
 
 
+def stopped_by(signum: int) -> SystemExit:
+    """The agent's exit after a signal stopped it at once (torch's agent has stopped the
+    workers by then): one line, and the exit code. SIGTERM: ``LEFT_JOB``, as after a notice,
+    since the node leaves a job that goes on; any other (SIGINT: stop now): 128+signal, as a
+    shell reports it."""
+    code = LEFT_JOB if signum == signal.SIGTERM else 128 + signum
+    log.warning(STOPPED, signal=signal.Signals(signum).name, exit_code=code)
+    return SystemExit(code)
+
+
 def export_etcd_endpoint(rdzv_backend: str, rdzv_endpoint: str, environ: MutableMapping[str, str]) -> bool:
     """Give the workers (who inherit ``environ``) the job's etcd: with the ``etcd-v3``
     backend, ``REGROUP_ETCD_ENDPOINT`` is set from ``--rdzv-endpoint`` when the environment
@@ -123,7 +143,12 @@ def main(argv: list[str] | None = None) -> None:
         probation=timedelta(seconds=args.probation),
         term_grace=timedelta(seconds=args.term_grace),
     )
-    run(args)
+    try:
+        run(args)
+    except SignalException as stop:
+        raise stopped_by(stop.sigval) from None
+    except KeyboardInterrupt:
+        raise stopped_by(signal.SIGINT) from None
 
 
 if __name__ == "__main__":

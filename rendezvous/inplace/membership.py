@@ -14,7 +14,24 @@ from regroup.rendezvous.inplace.channel import NodeWorld
 
 
 class Interrupted(Exception):
-    """The current world is being re-formed (or a peer vanished): leave and rejoin."""
+    """The current world is being re-formed (or a peer vanished): leave and rejoin. What a
+    script written against ``ElasticWorld`` raises itself (``reform_due()``), and catches
+    around its step with its collectives' errors (``ElasticWorld.interrupted``)."""
+
+
+class Reform(BaseException):
+    """The current world is being re-formed (or a peer vanished): leave and rejoin.
+
+    What ends a call of the training function under ``@elastic.in_place`` for a re-form
+    (``regroup.trainer.elastic.Reform``). A ``BaseException``, as ``SystemExit`` and
+    ``KeyboardInterrupt`` are, so that an ``except Exception`` in the script, and a wrapper
+    that catches ``Exception`` (``@hydra.main`` exits 1 on one), let it through to
+    ``in_place``. ``clean``: every rank left at one agreed step boundary, so the live state
+    is consistent (else only snapshots and committed checkpoints are)."""
+
+    def __init__(self, why: str = "re-form", *, clean: bool = True) -> None:
+        super().__init__(why)
+        self.clean = clean
 
 
 class Superseded(RuntimeError):

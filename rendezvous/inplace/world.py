@@ -46,6 +46,7 @@ from regroup.failures import PEER, failed_peer, failure_kind
 from regroup.rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
+    REFORMING,
     RESTART_ONLY_ENV,
     STANDBY_ENV,
     WAIT_EXPIRED,
@@ -57,7 +58,14 @@ from regroup.rendezvous.inplace.channel import (
     write_atomically,
 )
 from regroup.rendezvous.inplace.formation import connect_store, init_default_group
-from regroup.rendezvous.inplace.membership import Interrupted, LeavingJob, Membership, ReformFailed, Superseded
+from regroup.rendezvous.inplace.membership import (
+    Interrupted,
+    LeavingJob,
+    Membership,
+    Reform,
+    ReformFailed,
+    Superseded,
+)
 
 log = structlog.get_logger("regroup.inplace.world")
 
@@ -189,19 +197,41 @@ class ElasticWorld:
             time.sleep(_POLL_S)
 
     def interrupted(self, exc: BaseException) -> bool:
-        """Whether ``exc`` (raised by a collective or by ``Interrupted``) means: leave and
-        rejoin. True for ``Interrupted``, and for a failed collective while a re-form is due,
-        after this watcher aborted the groups, or when a peer went away."""
+        """Whether ``exc`` (raised by a collective, ``Interrupted`` or ``Reform``) means:
+        leave and rejoin. True for ``Interrupted`` and ``Reform``, and for a failed
+        collective while a re-form is due, after this watcher aborted the groups, or when a
+        peer went away."""
         if not self.in_place:
             return False
-        if isinstance(exc, Interrupted):
+        if isinstance(exc, Interrupted | Reform):
             return True
-        if self._aborted or self.reform_due():
+        if self.ending():
             return True
         if failure_kind(exc) != PEER:
             return False
         self._note_peer_failure(exc)
         return True
+
+    def ending(self) -> bool:
+        """Whether this worker's world is over, whatever the script made of it: a re-form
+        of it is due, or its groups were aborted for one (a collective that waited in it
+        failed)."""
+        return self.in_place and (self._aborted or self.reform_due())
+
+    @property
+    def aborted(self) -> bool:
+        """The current world's groups were aborted for a re-form: no collective in it can
+        succeed any more."""
+        return self._aborted
+
+    def reform_begins(self, why: str) -> None:
+        """This worker leaves its world for a re-form (``why``): say so to the agent before
+        anything else happens, so that an exit of this process before the next world reads
+        as one during the re-form (``regroup.rendezvous.inplace.exits``)."""
+        if self.membership is None or self._left:
+            return
+        log.info("the world ends for a re-form", round=self.membership.round, why=why[:200])
+        self._report(REFORMING, self.membership.round)
 
     def _note_peer_failure(self, exc: BaseException) -> None:
         """A collective failed on a peer while no re-form was announced: the first sign of a

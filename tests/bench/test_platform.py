@@ -14,8 +14,12 @@ from bench.platform.profiles import collapsed_hotspots, pprof_hotspots
 from regroup.demo.etcd_server import EtcdServer
 
 LEASE_TTL = 2.0
+RETENTION = 2.0
+"""The controller's ``--retention`` (default 10 s): the end check of each size waits for it
+to pass before the clean-up removes the ended jobs' keys and tombstones."""
 SMALLEST = ["--jobs", "1", "--agents", "2", "--probes", "1", "--churn", "6", "--warmup", "0", "--profile", "0",
-            "--lease-ttl", str(LEASE_TTL), "--step-time", "0.5", "--join-window", "1"]  # fmt: skip
+            "--lease-ttl", str(LEASE_TTL), "--step-time", "0.5", "--join-window", "1",
+            "--retention", str(RETENTION)]  # fmt: skip
 
 
 def test_smallest_run_reports_every_size_with_sane_numbers(tmp_path: Path, worker_env: dict[str, str]) -> None:
@@ -57,6 +61,7 @@ def test_smallest_run_reports_every_size_with_sane_numbers(tmp_path: Path, worke
         assert 0 < end["db_bytes_after"] <= end["db_bytes_before"]
         # The controller's clean-up removed every ended job's keys and tombstone after the retention.
         assert end["clean"], end
+        assert end["retention_s"] == RETENTION, end
     assert loaded["churn"]["rate_per_job_min"] == 6
 
 

@@ -1,6 +1,8 @@
 """``regroup demo --script``: the short scenario's first 52 s (a reclaim, an abrupt loss and
 the grow back), played with the real controller against a script nobody here wrote (PyTorch's FSDP2 example, converted: examples/fsdp2/train.py)
-instead of the built-in trainer.
+instead of the built-in trainer. A run plays every event of its scenario whatever its
+duration, so the run is given the short scenario without the events after its first 52 s
+(the flaky node at 66 s, which ``short_run`` plays with the built-in trainer).
 
 The script reads everything from the environment the demo sets for every worker
 (``REGROUP_ETCD_ENDPOINT``, ``REGROUP_CHECKPOINT_DIR``, ``REGROUP_SAMPLE_LOG``). Every fact is
@@ -9,31 +11,17 @@ read from the run's records, never from log text.
 
 from __future__ import annotations
 
-
 import pytest
 
-from regroup.demo.analysis import RunData, load_run
+from regroup.demo.analysis import RunData
 from regroup.trace_report import reforms_from_spans
-from tests.demo.demo_runs import DEMO_TIMEOUT, play_demo
 from tests.conftest import REPO
+from tests.demo.demo_runs import DEMO_TIMEOUT, SCRIPT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(DEMO_TIMEOUT + 90)]
 
 
-SCRIPT = "examples/fsdp2/train.py"
-
-
-def script_command() -> list[str]:
-    """The training command the demo runs on every rank, as ``regroup demo`` takes it: a
-    global batch that splits over 1, 2 and 3 nodes, and more steps than the scenario lasts."""
-    return ["--script", SCRIPT, "--", "--batch-size", "12", "--steps", "100000"]
-
-
-@pytest.fixture(scope="module")
-def script_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunData, str]:
-    out = tmp_path_factory.mktemp("demo-script")
-    stdout = play_demo(out, "--scenario", "short", "--duration", "52s", *script_command())
-    return load_run(out / "run"), stdout
+# ``script_run`` (tests/demo/conftest.py): the run, played once per session.
 
 
 def test_the_report_is_written_and_names_each_re_form(script_run: tuple[RunData, str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import dataclasses
 
-from regroup.demo.live import LiveSnapshot, LiveView, phase_of, render, render_line
+from regroup.demo.live import LiveSnapshot, LiveView, phase_of, render, render_line, stale_after
 from regroup.demo.recorder import JobView
 from regroup.records import JobStatus, Progress, ReformPlan
 
@@ -68,3 +68,42 @@ def test_the_phase_says_how_the_world_is_kept_where_the_plan_says() -> None:
     view = JobView()
     view.plan = dataclasses.replace(_plan("checkpoint"), strategy="migrate", replaced={"node-2": "node-5"})
     assert phase_of(view, now=100.0) == "re-forming (reclaim, planned, migrate node-2->node-5): checkpoint"
+
+
+def _published(every: float, count: int, announced: float | None = None, last: float = 100.0) -> JobView:
+    """A job whose rank 0 published ``count`` progress records ``every`` seconds, the last at ``last``."""
+    view = JobView()
+    extra = {} if announced is None else {"progress_interval_s": announced}
+    view.progress = Progress(step=count, loss=1.0, samples_seen=12 * count, world_size=2, time=last, extra=extra)
+    for i in range(count):
+        view.progress_arrivals.append(last - (count - 1 - i) * every)
+    view.progress_seen_at = last
+    return view
+
+
+def test_a_script_that_publishes_every_5s_is_training_all_the_way_between_its_records() -> None:
+    # A user's script publishes every 5 s by default (etcd.progress_interval), from its first record on.
+    first = _published(5.0, 1, announced=5.0)
+    steady = _published(5.0, 12, announced=5.0)
+    for view in (first, steady):
+        for waited in (0.5, 2.5, 3.5, 4.9, 6.0):
+            assert phase_of(view, now=100.0 + waited) == "training", waited
+        assert phase_of(view, now=100.0 + 16.0) == "training stopped, waiting to resume"
+    # Without the announcement, the gaps seen between its records give the pace.
+    unannounced = _published(5.0, 4)
+    assert phase_of(unannounced, now=104.9) == "training"
+    assert phase_of(unannounced, now=116.0) == "training stopped, waiting to resume"
+
+
+def test_a_job_that_publishes_often_is_stopped_after_a_couple_of_seconds() -> None:
+    builtin = _published(0.25, 20, announced=0.25)
+    assert stale_after(builtin) == 2.0
+    assert phase_of(builtin, now=101.5) == "training"
+    assert phase_of(builtin, now=102.5) == "training stopped, waiting to resume"
+
+
+def test_steps_slower_than_the_interval_set_the_pace() -> None:
+    # Progress is published at step boundaries: 8 s steps publish every 8 s whatever the interval.
+    slow = _published(8.0, 6, announced=5.0)
+    assert stale_after(slow) == 24.0
+    assert phase_of(slow, now=100.0 + 7.9) == "training"

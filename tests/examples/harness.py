@@ -41,6 +41,8 @@ class Example:
     summed: bool = False
     """The loss a rank reports is a sum over its share of the batch, not a mean (upstream's
     ``model(x).sum()``): a step's loss is then the sum over the ranks, not their mean."""
+    steps: int = 40
+    """Steps the arguments make the run train."""
 
 
 def script_env(base: dict[str, str], root: Path) -> dict[str, str]:

@@ -61,23 +61,53 @@ HF_LLAMA = Example(
     ),  # fmt: skip
     global_batch=8,
 )
+MINGPT = Example(
+    name="mingpt",
+    script=EXAMPLES / "mingpt" / "main.py",
+    # Hydra overrides of upstream's gpt2_train_cfg.yaml: a tiny GPT on the first 74% of a
+    # text at hand (upstream's licence), 20 steps of 48 samples an epoch, two epochs (the
+    # run crosses an epoch, its upstream snapshot and its evaluation pass), AMP and a
+    # DataLoader worker on. The attention's own dropout (nn.MultiheadAttention's) is off:
+    # it draws from the rank's RNG; the model's other dropouts are keyed by sample.
+    args=(
+        f"data_config.path={EXAMPLES / 'mingpt' / 'upstream' / 'LICENSE'}", "data_config.truncate=0.74",
+        "data_config.block_size=16", "gpt_config.n_layer=2", "gpt_config.n_head=2", "gpt_config.n_embd=32",
+        "+gpt_config.attn_pdrop=0", "trainer_config.batch_size=48", "trainer_config.max_epochs=2",
+        "trainer_config.data_loader_workers=1", "trainer_config.use_amp=true",
+    ),  # fmt: skip
+    global_batch=48,
+    steps=STEPS,
+)
 
 
-@pytest.fixture(params=[FSDP2, HF_LLAMA], ids=lambda e: e.name)
+@pytest.fixture(params=[FSDP2, HF_LLAMA, MINGPT], ids=lambda e: e.name)
 def example(request: pytest.FixtureRequest) -> Example:
-    if request.param is HF_LLAMA:
-        pytest.importorskip("transformers")
     return request.param  # type: ignore[no-any-return]
 
 
-@pytest.fixture
-def straight(tmp_path: Path, worker_env: dict[str, str], example: Example) -> Iterator[StraightRun]:
-    """The uninterrupted run on 2 ranks, started first: it trains while the job waits."""
-    running = StraightRun(example, 2, tmp_path / "straight", worker_env)
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StraightRun]]:
+    """The uninterrupted run of each example, by name. Its script and arguments are the same
+    in every test of the example, so those tests compare with one run."""
+    runs: dict[str, StraightRun] = {}
     try:
-        yield running
+        yield runs
     finally:
-        running.close()
+        for running in runs.values():
+            running.close()
+
+
+@pytest.fixture
+def straight(
+    straight_runs: dict[str, StraightRun], tmp_path_factory: pytest.TempPathFactory, worker_env: dict[str, str],
+    example: Example,
+) -> StraightRun:  # fmt: skip
+    """The uninterrupted run on 2 ranks, started first (by the first test of its example):
+    it trains while the job waits."""
+    if example.name not in straight_runs:
+        root = tmp_path_factory.mktemp(f"straight-{example.name}")
+        straight_runs[example.name] = StraightRun(example, 2, root, worker_env)
+    return straight_runs[example.name]
 
 
 @pytest.fixture

@@ -100,8 +100,11 @@ def test_a_plan_stores_phase_cause_and_outcome_as_the_same_plain_strings() -> No
     plan = ReformPlan.from_json(_STORED_PLAN)
     assert (plan.phase, plan.cause, plan.outcome) == (ReformPhase.RENDEZVOUS, ReformCause.NODE_LOST, ReformOutcome.PENDING)
     assert type(plan.phase) is ReformPhase and type(plan.cause) is ReformCause and type(plan.outcome) is ReformOutcome
-    # Written again, it is the same record plus the fields added since (a re-form's strategy).
-    assert json.loads(plan.to_json()) == {**json.loads(_STORED_PLAN), "replaced": {}, "strategy": "elastic"}
+    # Written again, it is the same record plus the fields added since (a re-form's strategy,
+    # the workers that exited during it).
+    assert json.loads(plan.to_json()) == {
+        **json.loads(_STORED_PLAN), "replaced": {}, "strategy": "elastic", "worker_exit": ""
+    }
     assert ReformPlan.from_json(plan.to_json()).to_json() == plan.to_json()
     done = ReformPlan.from_json(plan.to_json().replace(b'"phase":"rendezvous"', b'"phase":"done"')
                                 .replace(b'"outcome":""', b'"outcome":"completed"'))

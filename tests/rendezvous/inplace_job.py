@@ -83,6 +83,7 @@ class InPlaceJob:
 
     max_restarts = 3
     nnodes = "2:3"
+    nproc_per_node = 1
     cwd: Path | None = None
     """Working directory of the agents (None: the test's)."""
 
@@ -105,7 +106,7 @@ class InPlaceJob:
             sys.executable, "-m", "regroup.rendezvous.inplace.launcher", f"--in-place={in_place}",
             *(["--standby"] if standby else []), *flags,
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={JOB}",
-            f"--nnodes={nnodes or self.nnodes}", "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
+            f"--nnodes={nnodes or self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", f"--max-restarts={self.max_restarts}",
             "--monitor-interval=0.1",
             f"--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=120{',' + conf if conf else ''}",
             "--local-addr=127.0.0.1", *self.worker(),

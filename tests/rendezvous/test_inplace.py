@@ -16,7 +16,7 @@ import pytest
 
 from regroup.demo.etcd_server import EtcdServer
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.trainer.harness import check, flat_tensors, full_state, step_losses, torchrun, write_config
+from tests.trainer.harness import BackgroundTorchrun, flat_tensors, full_state, step_losses, write_config
 from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
 from regroup.trainer.checkpoint_folders import latest_committed
 
@@ -221,7 +221,8 @@ def test_in_place_and_restart_reforms_follow_the_uninterrupted_trajectory(
         checkpoint={"dir": str(tmp_path / "straight" / "ckpt")},
         data={"sample_log": str(tmp_path / "straight" / "samples")},
     )
-    straight = check(torchrun(3, straight_cfg, worker_env, timeout=300))
+    # It trains while the job starts its agents and waits on its re-forms.
+    straight = BackgroundTorchrun(3, straight_cfg, worker_env, tmp_path, timeout=300)
 
     trainer = {**common, "data": {"sample_log": str(tmp_path / "job" / "samples")}}
     job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
@@ -247,11 +248,14 @@ def test_in_place_and_restart_reforms_follow_the_uninterrupted_trajectory(
         for node in ("a", "b", "c"):
             assert job.procs[node].wait(120) == 0, job.log(node)[-3000:]
         assert job.workers("a") == [] and job.events("a", "re-formed in place")
+    except BaseException:
+        straight.close()
+        raise
     finally:
         job.close()
     assert pid_a, "a trained in the first world"
 
-    expected = step_losses(straight.stderr)
+    expected = step_losses(straight.stderr())
     got: dict[int, float] = {}
     for node in ("a", "b", "c"):  # rank 0 logs each step; which node holds rank 0 may change
         got.update(step_losses(job.log(node)))

@@ -64,6 +64,39 @@ def torchrun(
     )
 
 
+class BackgroundTorchrun:
+    """``torchrun`` of the trainer started in the background, its output to files beside
+    ``out`` (not pipes nobody reads while it runs): e.g. the uninterrupted run a test
+    compares with, training while the job under test starts and waits on its re-forms.
+    ``stderr()`` waits for its end (``timeout`` from its start) and checks it exited 0."""
+
+    def __init__(
+        self, nproc: int, config: Path, env: dict[str, str], out: Path, *overrides: str, timeout: float = 300
+    ) -> None:
+        self.timeout = timeout
+        self.stderr_path = out / "torchrun.stderr"
+        with open(out / "torchrun.stdout", "wb") as stdout, open(self.stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen(torchrun_argv(nproc, config, *overrides), env=env, stdout=stdout, stderr=stderr)
+        self.deadline = time.monotonic() + timeout
+
+    def stderr(self) -> str:
+        """The run's stderr (it carries the JSON log lines), once it ended well."""
+        try:
+            code = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(f"torchrun did not end within {self.timeout:.0f}s") from None
+        text = self.stderr_path.read_text(errors="replace")
+        assert code == 0, f"exit {code} (wanted 0):\n{text[-6000:]}"
+        return text
+
+    def close(self) -> None:
+        """End the run if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def events(log_text: str, name: str) -> list[dict[str, Any]]:
     """The JSON log events called ``name`` (other lines, e.g. torch warnings, skipped)."""
     found = []

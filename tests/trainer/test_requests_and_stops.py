@@ -83,6 +83,8 @@ async def test_checkpoint_request_is_honoured_at_the_next_boundary_acked_held_an
         before = await wait_record(etcd_client, keys.progress, Progress, lambda p: p.step >= 4)
         # Four boundaries passed with nothing pending: not one save was started.
         assert before.extra["checkpoint_saves"] == 0
+        # How often the record comes, for a reader to tell a quiet run from a stopped one.
+        assert before.extra["progress_interval_s"] == 0.05
         assert before.world_size == 2 and before.resumed_from_step == 0
 
         # etcd restarts under the running job: the trainer re-watches and still hears requests

@@ -31,7 +31,7 @@ from regroup.demo.etcd_server import EtcdServer
 from regroup.records import Progress
 from tests.conftest import REPO
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.trainer.harness import check, flat_tensors, full_state, run_all, step_losses, torchrun, write_config
+from tests.trainer.harness import BackgroundTorchrun, flat_tensors, full_state, run_all, step_losses, write_config
 from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL
 
 pytestmark = pytest.mark.slow
@@ -49,21 +49,38 @@ COMMON: dict[str, Any] = {
 }
 
 
-def straight_run(root: Path, ranks: int, common: dict[str, Any]) -> tuple[Path, dict[int, float]]:
-    """A run of ``ranks`` that never loses a node: its checkpoint root and its loss per step."""
-    # No step-time floor: it paces the job for the test to act, and changes no number.
-    config = write_config(
-        root / "train.yaml", **{**common, "step_time_floor": "0s"}, checkpoint={"dir": str(root / "ckpt")}
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = check(torchrun(ranks, config, env, timeout=300))
-    return root / "ckpt", step_losses(done.stderr)
+class StraightRun:
+    """A run of ``ranks`` that never loses a node, started in the background: it trains
+    while the job under test starts its agents and waits on its re-forms. ``result()``
+    waits for its end: its checkpoint root and its loss per step."""
+
+    def __init__(self, root: Path, ranks: int, common: dict[str, Any]) -> None:
+        self.root = root
+        # No step-time floor: it paces the job for the test to act, and changes no number.
+        config = write_config(
+            root / "train.yaml", **{**common, "step_time_floor": "0s"}, checkpoint={"dir": str(root / "ckpt")}
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.run = BackgroundTorchrun(ranks, config, env, root, timeout=300)
+        self._losses: dict[int, float] | None = None
+
+    def result(self) -> tuple[Path, dict[int, float]]:
+        if self._losses is None:
+            self._losses = step_losses(self.run.stderr())
+        return self.root / "ckpt", self._losses
+
+    def close(self) -> None:
+        self.run.close()
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
-    """The run that never lost a node: its checkpoint root and its loss per step."""
-    return straight_run(tmp_path_factory.mktemp("straight"), len(NODES), COMMON)
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
+    """The run that never lost a node, started with the first test that compares with it."""
+    run = StraightRun(tmp_path_factory.mktemp("straight"), len(NODES), COMMON)
+    try:
+        yield run
+    finally:
+        run.close()
 
 
 def _steps_done(folder: Path, world: int) -> list[int]:
@@ -101,7 +118,7 @@ def _lost_steps(job: InPlaceJob, shrunk: Progress) -> int:
 def finish_and_compare(
     job: InPlaceJob,
     survivors: list[str],
-    straight: tuple[Path, dict[int, float]],
+    straight: StraightRun,
     scratch: Path,
     steps: int = STEPS,
     global_batch: int = GLOBAL_BATCH,
@@ -113,7 +130,7 @@ def finish_and_compare(
     got: dict[int, float] = {}
     for node in sorted(job.procs, key=lambda n: n in survivors):
         got.update(step_losses(job.log(node)))  # a step trained again after a loss: its last loss wins
-    ckpt, expected = straight
+    ckpt, expected = straight.result()
     assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=LOSS_RTOL), f"loss differs at step {step}"
@@ -130,7 +147,7 @@ def finish_and_compare(
 
 
 def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_falls_back(
-    etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str], straight: tuple[Path, dict[int, float]]
+    etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str], straight: StraightRun
 ) -> None:
     """Four nodes. One, picked at random, is SIGKILLed at a random step: the survivors
     rebuild from memory and lose at most one step. Then a node and its buddy die together:
@@ -186,13 +203,14 @@ def test_on_a_busy_machine_a_node_lost_without_notice_costs_at_most_max_every_st
     etcd: EtcdServer,
     tmp_path: Path,
     worker_env: dict[str, str],
-    straight: tuple[Path, dict[int, float]],
+    straight: StraightRun,
     snapshot: dict[str, Any],
 ) -> None:
     """Every core busy, as on the node where ``every: auto`` once widened to 18 steps and a
     kill cost 12: with the default settings (``auto``, ``max_every`` 1) and with a raised
     bound, a node SIGKILLed at a random step costs at most ``max_every`` steps, the survivors
     rebuild from memory, and the run ends where the run that never lost a node ends."""
+    straight.result()  # the load on the cores is the spinners' and the job's alone
     max_every = snapshot.get("max_every", 1)
     rng = random.Random(2029 + max_every)
     lost, kill_at = rng.choice(NODES), rng.randint(8, 12)  # past auto's first measurements

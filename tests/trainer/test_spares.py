@@ -23,7 +23,7 @@ from regroup.demo.etcd_server import EtcdServer
 from regroup.exit_codes import LEFT_JOB
 from regroup.records import Progress
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.trainer.test_snapshot_recovery import finish_and_compare, straight_run
+from tests.trainer.test_snapshot_recovery import StraightRun, finish_and_compare
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +40,14 @@ COMMON: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
-    """The run at two ranks that never lost a node: its checkpoint root and its loss per step."""
-    return straight_run(tmp_path_factory.mktemp("straight"), len(ACTIVE), COMMON)
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
+    """The run at two ranks that never lost a node, started with the first test that
+    compares with it: it trains while that test's job starts and waits on its re-forms."""
+    run = StraightRun(tmp_path_factory.mktemp("straight"), len(ACTIVE), COMMON)
+    try:
+        yield run
+    finally:
+        run.close()
 
 
 @pytest.fixture
@@ -113,7 +118,7 @@ def _resharded(job: InPlaceJob, node: str) -> dict[str, Any]:
 
 
 def test_two_nodes_killed_are_replaced_by_two_spares_in_their_positions_then_the_job_shrinks(
-    job: InPlaceJob, straight: tuple[Path, dict[int, float]], tmp_path: Path
+    job: InPlaceJob, straight: StraightRun, tmp_path: Path
 ) -> None:
     """a and b train at two ranks with spares c and d. b is SIGKILLed: c takes rank 1 at
     the same world size, losing at most one step; a keeps its process and its shards. Then a

@@ -25,12 +25,33 @@ What the script gets: the world joined and re-formed in place under ``regroup-ru
 (DCP, committed, acked, held for the re-form); progress published for the controller and
 ``regroup status``; in-memory snapshots with a buddy copy and a reshard in memory on a
 re-form; a constant global batch in an order that depends only on the global sample index;
-the trainer half of every re-form trace. The guide is docs/your-script.md.
+the trainer half of every re-form trace. A ``DataLoader`` over ``elastic.Sampler`` takes the
+place of ``DistributedSampler`` (``for epoch in run.epochs(): for batch in
+run.batches(loader):``); ``elastic.keyed_dropout(model)`` makes dropout a function of the
+sample, not of the rank. The guide is docs/your-script.md.
 """
 
+from regroup.rendezvous.inplace.membership import Reform
+from regroup.trainer.elastic.data import Sampler
 from regroup.trainer.elastic.options import Options
+from regroup.trainer.elastic.randomness import Dropout, dropout, generator, keyed_dropout, samples
 from regroup.trainer.elastic.run import Run, Step
 from regroup.trainer.elastic.session import in_place, world
 from regroup.trainer.elastic.state import MisuseError, World
 
-__all__ = ["MisuseError", "Options", "Run", "Step", "World", "in_place", "world"]
+__all__ = [
+    "Dropout",
+    "MisuseError",
+    "Options",
+    "Reform",
+    "Run",
+    "Sampler",
+    "Step",
+    "World",
+    "dropout",
+    "generator",
+    "in_place",
+    "keyed_dropout",
+    "samples",
+    "world",
+]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal
 
 from regroup.trainer.config import (
     CheckpointConfig,
+    ConfigError,
     EtcdConfig,
     Fault,
     ReformConfig,
@@ -38,8 +39,14 @@ class Options:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     step_time_floor: timedelta = timedelta(0)
     """Pad each step to at least this long (slow demos down)."""
-    log_every: int = 1
-    """Rank 0 logs a ``step`` event every N steps."""
+    log_every: int = 10
+    """Rank 0 logs a ``step`` event every N steps (``TrainConfig.log_every``)."""
+    seed: int | None = None
+    """The run's seed: the RNG of each step (``rng``) and keyed randomness derive from it;
+    None: torch's initial seed when the run is created (the highest among the ranks)."""
+    rng: Literal["step", "off"] = "step"
+    """``step``: every rank's RNG (torch, Python, NumPy) is set at each step from (seed,
+    step, rank), so a restored step draws what it drew before; ``off``: left alone."""
     faults: tuple[Fault, ...] = ()
     """Injected failures, for tests of the recovery paths (env REGROUP_TRAINER_FAULTS)."""
 
@@ -57,6 +64,7 @@ class Options:
             device=cfg.device,
             step_time_floor=cfg.step_time_floor,
             log_every=cfg.log_every,
+            seed=cfg.seed,
             faults=cfg.faults,
         )
 
@@ -77,13 +85,16 @@ def options(
     snapshot_every: int | Literal["auto"] = "auto",
     snapshot_max_every: int = 1,
     device: Literal["auto", "cpu", "cuda"] = "auto",
-    log_every: int = 1,
+    log_every: int | None = None,
+    seed: int | None = None,
+    rng: Literal["step", "off"] = "step",
     **sections: Any,
 ) -> Options:
     """``Run``'s keyword arguments, completed from the environment (the job's etcd from
     ``REGROUP_ETCD_ENDPOINT``, ``TORCHELASTIC_RUN_ID`` and ``POD_NAMESPACE``; the checkpoint
-    folder from ``REGROUP_CHECKPOINT_DIR``; ``REGROUP_SAMPLE_LOG``; ``REGROUP_TRAINER_FAULTS``)
-    and validated as the trainer's config is: a bad value raises ``ConfigError`` naming it.
+    folder from ``REGROUP_CHECKPOINT_DIR``; ``REGROUP_SAMPLE_LOG``; ``REGROUP_TRAINER_FAULTS``;
+    ``log_every``, unless given, from ``REGROUP_LOG_EVERY``, else every 10 steps) and validated
+    as the trainer's config is: a bad value raises ``ConfigError`` naming it.
     ``snapshot_every``/``snapshot_max_every``: ``snapshot.every`` and ``snapshot.max_every``
     (a node lost without notice costs at most ``snapshot_max_every`` steps).
     ``sections``: any other section of the trainer config by name (``reform={...}``,
@@ -98,10 +109,11 @@ def options(
         "batch": {"global_batch_size": global_batch, "max_micro_batch_size": max_micro_batch},
         "max_steps": max_steps,
         "device": device,
-        "log_every": log_every,
         **sections,
         "snapshot": snapshot,
     }
+    if log_every is not None:
+        tree["log_every"] = log_every
     checkpoint = dict(tree.get("checkpoint") or {})
     if checkpoint_dir is not None:
         checkpoint["dir"] = str(checkpoint_dir)
@@ -109,4 +121,9 @@ def options(
         checkpoint["every_steps"] = checkpoint_every
     if checkpoint:
         tree["checkpoint"] = checkpoint
-    return Options.from_config(config_from_dict(tree, env))
+    if rng not in ("step", "off"):
+        raise ConfigError(f"rng: must be 'step' or 'off', not {rng!r}")
+    if seed is not None and (not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"seed: must be an integer >= 0, not {seed!r}")
+    built = Options.from_config(config_from_dict(tree, env))
+    return replace(built, seed=seed, rng=rng)

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,9 @@ from regroup.trainer.checkpoint import Checkpointer
 from regroup.trainer.checkpoint_folders import latest_committed
 from regroup.trainer.checkpoint_requests import CheckpointRequests
 from regroup.trainer.control import JobChannel, pending_generation
+from regroup.trainer.elastic.data import Sampler, Span, fit_batches, sampler_of
 from regroup.trainer.elastic.options import Options, options as make_options
+from regroup.trainer.elastic.randomness import enter_samples, seed_step, set_seed
 from regroup.trainer.elastic.session import RunInfo, Session
 from regroup.trainer.elastic.state import MisuseError, State, World
 from regroup.trainer.host_memory import give_back
@@ -58,7 +61,9 @@ log = structlog.get_logger("regroup.trainer")
 
 
 def _set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """Reduce gradients across ranks only on a step's last micro-batch (FSDP2, DDP)."""
+    """Reduce gradients across ranks only on a step's last micro-batch (FSDP2, DDP; also
+    under ``torch.compile(model)``, whose ``_orig_mod`` is the wrapped model)."""
+    model = getattr(model, "_orig_mod", model)
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(sync)
     elif isinstance(model, DistributedDataParallel):
@@ -76,7 +81,21 @@ class Step:
         self._plan = run.plan
         self._loss: float | None = None
         self._tokens = 0
+        self.micro = 0
+        """With a loader (``run.batches``): the micro-batch being trained, from 0."""
+        self.loaded = False
+        """Its batches come from ``run.batches(loader)``."""
         self._started = time.perf_counter()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this step is in (with ``Run(data=..., epochs=...)``; else 0)."""
+        return self._run.epoch_of(self.index)
+
+    @property
+    def last_micro(self) -> bool:
+        """With a loader: this is the step's last micro-batch (step the optimizer after it)."""
+        return self.micro == self._plan.accumulation - 1
 
     @property
     def accumulation(self) -> int:
@@ -108,7 +127,9 @@ class Step:
         try:
             for micro in range(count):
                 _set_gradient_sync(model, micro == count - 1)
-                yield self._plan.micro_batch_ids(self.index, micro)
+                ids = self._plan.micro_batch_ids(self.index, micro)
+                enter_samples(ids)
+                yield ids
         finally:
             _set_gradient_sync(model, True)
 
@@ -142,14 +163,34 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         extras: Mapping[str, Any] | None = None,
         global_batch: int | None = None,
         max_steps: int | None = None,
+        data: Any = None,
+        epochs: int | None = None,
         options: Options | None = None,
         env: Mapping[str, str] | None = None,
         **settings: Any,
     ) -> None:
         env = dict(os.environ) if env is None else dict(env)
+        self.sampler: Sampler | None = None if data is None else sampler_of(data)
+        """The loader's ``elastic.Sampler`` (``data=``): epochs are counted in its dataset."""
+        if epochs is not None:
+            if self.sampler is None:
+                raise MisuseError("Run(epochs=...) counts epochs of a dataset: pass its loader as data=")
+            batch = options.global_batch if options is not None else global_batch
+            if batch is None or epochs < 1:
+                raise MisuseError("Run(data=loader, epochs=N): N >= 1 and global_batch= are required")
+            by_epochs = epochs * self.sampler.steps_per_epoch(batch)
+            max_steps = by_epochs if max_steps is None else min(max_steps, by_epochs)
+            if options is not None:
+                options = replace(options, max_steps=min(options.max_steps, by_epochs))
+        if self.sampler is not None and options is None and not settings.get("max_micro_batch"):
+            # The loader's batch size is what one forward takes: the micro-batch's limit.
+            settings["max_micro_batch"] = getattr(data, "batch_size", None) or 0
         if options is None:
             if global_batch is None or max_steps is None:
-                raise MisuseError("Run(model, optimizer, global_batch=..., max_steps=...): both are required")
+                raise MisuseError(
+                    "Run(model, optimizer, global_batch=..., max_steps=...): both are required "
+                    "(or epochs= with data=loader instead of max_steps)"
+                )
             options = make_options(env, global_batch=global_batch, max_steps=max_steps, **settings)
         elif settings or global_batch is not None or max_steps is not None:
             raise MisuseError("Run(model, optimizer, options=...) takes no other settings: put them in the Options")
@@ -180,10 +221,14 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         self.checkpointer: Checkpointer | None = None
         self._sample_log: Any = None
         self._iterating = False
+        self._epoch: int | None = None
+        """Inside ``run.epochs()``: the epoch being trained."""
         self._current: Step | None = None
         self._released = False
         self._give_back = False
         """A re-form freed the old world's state: give the memory back at the next boundary."""
+        self.seed = options.seed if options.seed is not None else torch.initial_seed() & (2**63 - 1)
+        """The run's seed (agreed by every rank when the state is restored)."""
         self._attach()
         session.run = self
         self.resume(session.held)
@@ -247,24 +292,141 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
     # --- the steps --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Step]:
-        if self._iterating:
-            raise MisuseError("a Run is iterated once: `for step in run:`")
-        self._iterating = True
+        self._start("a Run is iterated once: `for step in run:`")
         try:
-            self._log_world()
-            while self.session.exit_code is None:
-                if self.state.step >= self.cfg.max_steps:
-                    self.finish()
-                    break
-                self._inject_faults()
-                step = Step(self)
-                self._current = step
+            while (step := self._next_step()) is not None:
                 yield step
-                self._complete(step)
         finally:
+            self._end_iteration()
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to train, from the one the run is in (``Run(data=loader,
+        epochs=N)``); train each with ``run.batches(loader)``."""
+        per_epoch = self._steps_per_epoch("run.epochs()")
+        self._start("run.epochs() is iterated once, around `run.batches(loader)`")
+        try:
+            while self._finish_step() and self.state.step < self.cfg.max_steps:
+                epoch = self.state.step // per_epoch
+                self._epoch = epoch
+                yield epoch
+                if self.state.step < min((epoch + 1) * per_epoch, self.cfg.max_steps) and not self._over():
+                    raise MisuseError(
+                        f"epoch {epoch} ended at step {self.state.step}, before its last step: "
+                        "train every batch of `run.batches(loader)` on every rank"
+                    )
+            self._next_step()  # the end: the last save and the final barrier
+        finally:
+            self._epoch = None
+            self._end_iteration()
+
+    def batches(self, loader: Any) -> Iterator[Any]:
+        """``for batch in run.batches(loader):`` this rank's batches from a loader that
+        draws from an ``elastic.Sampler``, one per micro-batch (``run.current``: its
+        ``Step``; ``run.report(loss)``; with micro-batches, step the optimizer after the
+        one where ``run.current.last_micro``). Inside ``run.epochs()``: the rest of that
+        epoch; alone: every step left. Asking for a step's first batch is its boundary, as
+        in ``for step in run:``."""
+        sampler = sampler_of(loader)
+        if self.sampler is not None and sampler is not self.sampler:
+            raise MisuseError("run.batches(loader): the loader draws from another Sampler than Run(data=...)'s")
+        per_epoch = sampler.steps_per_epoch(self.plan.global_batch)
+        alone = self._epoch is None
+        if alone:
+            self._start("run.batches(loader) outside run.epochs() is iterated once")
+        try:
+            while self._finish_step() and self.state.step < self.cfg.max_steps:
+                epoch = self.state.step // per_epoch if alone else self._epoch
+                end = min((epoch + 1) * per_epoch, self.cfg.max_steps)
+                if self.state.step >= end:
+                    return
+                sampler.cover(Span(self.plan, self.state.step, end, per_epoch))
+                fit_batches(loader, self.plan.micro_batch)
+                batches = iter(loader)
+                try:
+                    while self._finish_step() and self.state.step < end:
+                        step = self._begin_step()
+                        count = self.plan.accumulation
+                        ids = sampler.batches(Span(self.plan, step.index, step.index + 1, per_epoch))
+                        step.loaded = True
+                        for micro, (_, sample_ids) in enumerate(ids):
+                            step.micro = micro
+                            _set_gradient_sync(self.model, micro == count - 1)
+                            enter_samples(sample_ids)
+                            yield next(batches)
+                        _set_gradient_sync(self.model, True)
+                finally:
+                    sampler.cover(None)
+                if not alone:
+                    return
+            if alone:
+                self._next_step()  # the end: the last save and the final barrier
+        finally:
+            if alone:
+                self._end_iteration()
+
+    # --- one step at a time -----------------------------------------------------------------
+
+    def _start(self, misuse: str) -> None:
+        if self._iterating:
+            raise MisuseError(misuse)
+        self._iterating = True
+        self._log_world()
+
+    def _end_iteration(self) -> None:
+        self._current = None
+        if self._owns_session and not self._released:
+            self.session.close()
+
+    def _over(self) -> bool:
+        return self.session.exit_code is not None or self.counters.state == "finished"
+
+    def _finish_step(self) -> bool:
+        """The step being trained is done on this rank: its boundary. False once the run ended."""
+        step = self._current
+        if step is not None:
             self._current = None
-            if self._owns_session and not self._released:
-                self.session.close()
+            enter_samples(None)
+            with self._world_failures():  # a failure of it for a re-form ends the world with Reform
+                self._complete(step)
+        return not self._over()
+
+    def _begin_step(self) -> Step:
+        self._inject_faults()
+        step = Step(self)
+        self._current = step
+        if self.cfg.rng == "step":
+            seed_step(self.seed, step.index, self.rt.rank)
+        enter_samples(step.ids)
+        return step
+
+    def _next_step(self) -> Step | None:
+        """The boundary of the step just trained, then the next step (None: the run ended)."""
+        if not self._finish_step():
+            return None
+        if self.state.step >= self.cfg.max_steps:
+            self.finish()
+            return None
+        return self._begin_step()
+
+    def _steps_per_epoch(self, what: str) -> int:
+        if self.sampler is None:
+            raise MisuseError(f"{what} needs Run(data=loader, epochs=N): the loader's elastic.Sampler counts them")
+        return self.sampler.steps_per_epoch(self.plan.global_batch)
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch step ``step`` is in (0 without ``data=``)."""
+        return step // self.sampler.steps_per_epoch(self.plan.global_batch) if self.sampler is not None else 0
+
+    @property
+    def current(self) -> Step:
+        """The step being trained (inside ``for step in run:`` or ``run.batches(loader)``)."""
+        if self._current is None:
+            raise MisuseError("run.current is the step being trained: there is none outside the loop")
+        return self._current
+
+    def report(self, loss: float | torch.Tensor, tokens: int = 0) -> None:
+        """``run.current.report(loss, tokens)``: this rank's loss for the step being trained."""
+        self.current.report(loss, tokens)
 
     def _check_current(self, step: Step, what: str) -> None:
         if self._current is not step:
@@ -339,6 +501,12 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
         return open(folder / f"samples-w{self.rt.world_size}-r{self.rt.rank}.jsonl", "a")  # noqa: SIM115 - kept open
 
     def _before_optimizer_step(self) -> None:
+        step = self._current
+        if step is not None and step.loaded and not step.last_micro:
+            raise MisuseError(
+                f"optimizer.step() after micro-batch {step.micro + 1} of {step.accumulation}: this rank's share of a "
+                "step comes in micro-batches of the loader's batch_size; step the optimizer when run.current.last_micro"
+            )
         if self.checkpointer is not None:
             self.counters.last_stall_s += self.checkpointer.wait_staged()
         if self.snapshots is not None:
@@ -403,16 +571,18 @@ class Run(ProgressReports, CheckpointRequests, InPlaceReforms):
 
     def _last_step_before(self) -> int:
         """Collective: the newest step any rank completed in an earlier world (a survivor's
-        own, or rank 0's reading of the progress record the world before left); -1 if none."""
+        own, or rank 0's reading of the progress record the world before left); -1 if none.
+        The ranks agree on the run's seed in the same reduction (the highest)."""
         last = self.session.last_step
         previous = self.channel.previous_progress if self.channel is not None else None
         if previous is not None:
             last = max(last, previous.step)
-        if self.rt.world_size == 1:
-            return last
-        newest = torch.tensor([last], dtype=torch.int64)
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.rt.control_group)
-        return int(newest.item())
+        if self.rt.world_size > 1:
+            newest = torch.tensor([last, self.seed], dtype=torch.int64)
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.rt.control_group)
+            last, self.seed = int(newest[0]), int(newest[1])
+        set_seed(self.seed)
+        return last
 
     def _resumed_at(self, step: int, event: str, **fields: Any) -> None:
         self.state.step, self.state.samples_seen = step, step * self.plan.global_batch

@@ -29,13 +29,14 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from regroup.failures import record_failure
-from regroup.rendezvous.inplace.membership import Interrupted, LeavingJob, ReformFailed
+from regroup.rendezvous.inplace.membership import LeavingJob, Reform, ReformFailed
 from regroup.rendezvous.inplace.world import ElasticWorld
 from regroup.telemetry import LineAtomicStderr, configure_logging, configure_tracing
 from regroup.trainer.config import EtcdConfig
 from regroup.trainer.control import JobChannel
 from regroup.trainer.distributed import Runtime, backend_for, pick_device, runtime_on_default_group
 from regroup.trainer.elastic.options import Options, options_from_env
+from regroup.trainer.elastic.randomness import START_SEED, StartState
 from regroup.trainer.elastic.state import MisuseError, World
 from regroup.trainer.progress import Counters
 from regroup.trainer.reshard import HeldState
@@ -121,6 +122,8 @@ class Session:
         self.in_place = in_place
         """Under ``in_place``: a re-form re-runs the training function in this process."""
         self.info = RunInfo.from_env(env)
+        self.rng_start: StartState | None = None
+        """The RNG state every call of the training function starts from (``in_place``)."""
         if not structlog.is_configured():
             # One JSON event per line on stderr, as every part of regroup logs (unless the
             # script configured structlog its own way).
@@ -146,6 +149,9 @@ class Session:
         """The newest step this process completed in an earlier world (-1: none)."""
         self.exit_code: int | None = None
         """Set when the process is to end without finishing: 128+signal (stopped), 0 (left the job)."""
+        self.ended: Reform | None = None
+        """The ``Reform`` the current run raised to end its world (kept: the script or a
+        wrapper may catch it on its way to ``in_place``)."""
         self._closed = False
         self.device = pick_device(options.device, int(env.get("LOCAL_RANK", "0")))
         # Under regroup-run this process may outlive its world; under torchrun it is
@@ -257,7 +263,7 @@ class Session:
         the next world. False when this process is to end instead (``exit_code``): its node
         leaves the job, or a stop came while waiting."""
         run = self.run
-        clean = isinstance(exc, Interrupted)
+        clean = isinstance(exc, Reform) and exc.clean
         old_world = self.rt.world_size
         old_step = run.state.step if run is not None else 0
         log.info("leaving the world for a re-form", step=old_step, clean=clean, why=str(exc)[:200])
@@ -313,14 +319,74 @@ class Session:
         )
         return True
 
+    def reform_cause(self, exc: BaseException | None) -> BaseException | None:
+        """What to re-form with when a call of the training function ended with ``exc``
+        (None: it returned), or None when that end is the process's (``reform_cause``;
+        never after a stop or a leave). Says so when the re-form came in disguise."""
+        if self.exit_code is not None:
+            return None
+        run = self.run
+        cause = reform_cause(exc, self.world, self.ended, run.counters.state if run is not None else None)
+        if cause is not None and cause is not exc:
+            log.warning(
+                "the re-form reached in_place as something else; re-forming in place",
+                arrived_as=type(exc).__name__ if exc is not None else "a return",
+                exit_code=exc.code if isinstance(exc, SystemExit) else None,
+                why=str(cause)[:200],
+                hint="a wrapper or an `except` of the script caught it; let regroup.trainer.elastic.Reform through",
+            )
+        return cause
+
     def fail(self, exc: BaseException) -> None:
-        """An exception ends the process: tell the agent whose fault it was."""
+        """An exception ends the process: tell the agent whose fault it was. A non-zero
+        exit stands for the error in its chain, where it has one (``@hydra.main`` exits 1
+        on an exception); a zero exit is no failure."""
+        if isinstance(exc, SystemExit):
+            if exc.code in (None, 0):
+                return
+            exc = next((e for e in exception_chain(exc) if isinstance(e, Exception)), exc)
         if isinstance(exc, ReformFailed):
             # Not this node's fault: its agent restarts this worker the usual way (the fallback).
             record_failure(RuntimeError(f"Connection closed by peer: in-place re-form failed: {exc}"))
             log.error("in-place re-form failed; falling back to a restart", error=str(exc))
         elif isinstance(exc, Exception):
             record_failure(exc)
+
+
+def exception_chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    while exc is not None and not any(exc is seen for seen in chain):
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def reform_cause(
+    exc: BaseException | None, world: ElasticWorld, ended: Reform | None, run_state: str | None
+) -> BaseException | None:
+    """What to re-form with when a call of the training function ended with ``exc`` (None:
+    it returned), or None when that end is not a re-form. ``ended``: the ``Reform`` the run
+    raised in this call, if it did; ``run_state``: its run's ``Counters.state`` (None: no run).
+
+    A re-form is one whatever the script or a wrapper made of it: ``Reform`` itself; an exit
+    or an error whose chain holds it, or holds a collective's failure the world recognises
+    (``@hydra.main`` turns an exception into ``sys.exit(1)``); the re-form the run raised and
+    the script caught (``ended``); a return from an unfinished run of a world being
+    re-formed. Never a ``LeavingJob``, a ``KeyboardInterrupt``, the end of a finished run, or
+    anything outside ``regroup-run``."""
+    if isinstance(exc, LeavingJob) or not world.in_place or run_state == "finished":
+        return None
+    if exc is not None and not isinstance(exc, Exception | SystemExit | Reform):
+        return None
+    chain = exception_chain(exc)
+    cause = next((e for e in chain if isinstance(e, Reform)), None) or ended
+    if cause is None and exc is None and run_state is not None and world.ending():
+        cause = Reform("the training function returned while its world was being re-formed", clean=False)
+    if cause is None:
+        # Innermost first: a peer's failure is noted where the collective failed.
+        cause = next((e for e in reversed(chain) if world.interrupted(e)), None)
+    return cause
 
 
 def world() -> World:
@@ -331,36 +397,53 @@ def world() -> World:
     return session.world_info
 
 
-def in_place(fn: F | None = None, *, options: Options | None = None) -> Any:
+def in_place(fn: F | None = None, *, options: Options | None = None, seed: int = START_SEED) -> Any:
     """``@elastic.in_place`` on the function that builds the model and runs the loop: under
     ``regroup-run`` a re-form calls it again in the same process, in the new world, and the
     new ``Run`` restores the state (from memory, else the newest committed checkpoint).
 
     The process's world is joined before the first call (``options``: the settings it
     takes, default: the environment's). A stop (SIGTERM) ends the process with 128+signal
-    once the function returned; a node left out of the job ends it with 0."""
+    once the function returned; a node left out of the job ends it with 0. Every call
+    starts from the same RNG state on every rank: torch's (CPU and CUDA), Python's and
+    NumPy's generators seeded with ``seed``.
+
+    It may sit above or below a wrapper (``@hydra.main``, click, typer, ``fire``) and
+    around an ``except Exception``: a re-form is recognised whatever reaches it
+    (``Session.reform_cause``)."""
 
     def decorate(function: F) -> F:
         @functools.wraps(function)
         def incarnations(*args: Any, **kwargs: Any) -> Any:
             session = Session.open(options, in_place=True)
+            session.rng_start = StartState.capture(seed)
+            result = None
             try:
                 while True:
+                    session.ended = None
                     try:
+                        if session.rng_start is not None:
+                            session.rng_start.restore()
                         result = function(*args, **kwargs)
-                        break
-                    except Exception as exc:
-                        if session.exit_code is None and session.world.interrupted(exc):
-                            try:
-                                if session.reform(exc):
-                                    continue
-                            except BaseException as failed:
-                                session.fail(failed)
-                                raise
-                            result = None
+                    except BaseException as exc:
+                        cause = session.reform_cause(exc)
+                        if cause is None:
+                            if isinstance(exc, SystemExit) and session.exit_code is not None:
+                                break  # a wrapper's exit after a stop or a leave: the session's code
+                            session.fail(exc)
+                            raise
+                    else:
+                        cause = session.reform_cause(None)
+                        if cause is None:
                             break
-                        session.fail(exc)
+                    result = None
+                    try:
+                        if session.reform(cause):
+                            continue
+                    except BaseException as failed:
+                        session.fail(failed)
                         raise
+                    break
             finally:
                 session.close()
             if session.exit_code is not None:

@@ -1,6 +1,6 @@
 """etcd-v3 against torch's own rendezvous scenarios, with torch's c10d as the control.
 
-One test: every scenario of ``scenarios.SCENARIOS`` on both backends (three at a time),
+One test: every scenario of ``scenarios.SCENARIOS`` on both backends (five at a time),
 the scenario x backend table printed to the terminal (with or without ``-s``) and written
 to ``<tmp>/conformance.md``. Every scenario c10d passes must pass on etcd-v3 too, unless
 ``NOT_APPLICABLE`` says why not; so must those c10d fails through a known torch bug
@@ -21,7 +21,10 @@ from tests.rendezvous.conformance.scenarios import C10D_KNOWN_FAILURES, NOT_APPL
 
 pytestmark = pytest.mark.slow
 
-THREADS = 3
+THREADS = 5
+"""Scenarios run at once. A scenario mostly waits (timeouts, leases, agents starting): on
+2 cores the whole run used about 28 s of CPU in 47 s at three at a time, the same in
+33 s at five."""
 
 
 def test_etcd_v3_passes_every_torch_scenario_that_c10d_passes(

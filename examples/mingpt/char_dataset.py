@@ -1,0 +1,1 @@
+upstream/char_dataset.py

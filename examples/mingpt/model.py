@@ -1,0 +1,1 @@
+upstream/model.py
