@@ -5,6 +5,7 @@ planned shrink (tests/examples/test_reforms.py)."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -193,3 +194,35 @@ def test_the_documented_loader_loop_converts_in_five_lines_and_runs(tmp_path: Pa
     result = subprocess.run([sys.executable, str(path)], env=worker_env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 8" in result.stdout, result.stdout
+
+
+class _WhoLoads(torch.utils.data.Dataset):
+    """Sample ``i`` is ``(i, the PID of the process that loaded it)``."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        return index, os.getpid()
+
+
+def test_a_loader_built_once_keeps_its_workers_across_a_re_form() -> None:
+    """A loader outside the training function, ``persistent_workers=True``: a pass left
+    mid-way (a re-form) and the next world's pass, at another size and step, load exactly
+    that world's batches (none of the first pass's prefetched ones) in the same worker."""
+    dataset = _WhoLoads()
+    sampler = Sampler(dataset, seed=5)
+    loader = DataLoader(dataset, batch_size=6, sampler=sampler, num_workers=1, persistent_workers=True)
+    plan = plan_batches(12, 2, 0, max_micro_batch=6)
+    sampler.cover(Span(plan, 0, 4, 4))
+    fit_batches(loader, plan.micro_batch)
+    first = iter(loader)
+    indices, pids = next(first)
+    assert indices.tolist() == _step_indices(sampler, 12, 2, 0)[:6]
+    sampler.cover(None)  # the world ends here, with batches of the first pass prefetched
+    plan = plan_batches(12, 3, 2, max_micro_batch=6)  # the next world: 3 ranks, from step 2
+    sampler.cover(Span(plan, 2, 4, 4))
+    fit_batches(loader, plan.micro_batch)
+    got = list(loader)
+    assert [i.tolist() for i, _ in got] == [_step_indices(sampler, 12, 3, step)[8:12] for step in (2, 3)]
+    assert {p for _, ps in got for p in ps.tolist()} == set(pids.tolist()), "the worker was started anew"
