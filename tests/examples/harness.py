@@ -16,14 +16,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.chaos.invariants import Incarnation, kept_history, read_samples
-from regroup.records import CheckpointAck, CheckpointRequest
 from tests.conftest import REPO
-from tests.rendezvous.inplace_job import InPlaceJob, wait_for
+from tests.rendezvous.inplace_job import InPlaceJob
 
 EXAMPLES = REPO / "examples"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -111,21 +109,6 @@ class ScriptJob(InPlaceJob):
     def worker(self) -> list[str]:
         assert self.example is not None
         return [str(self.example.script), *self.example.args]
-
-    def ask_checkpoint(self, generation: int, timeout: float = 240) -> None:
-        """Ask for a checkpoint with hold, without waiting: the world that reaches a step
-        boundary next (the one being formed, say) saves, acks and holds there."""
-        request = CheckpointRequest(generation=generation, deadline=time.time() + timeout, hold=True, reason="test")
-        self._put(self.keys.checkpoint, request.to_json())
-
-    def acked(self, generation: int, timeout: float = 180) -> CheckpointAck:
-        """The ack of checkpoint request ``generation``, once written."""
-
-        def ack() -> CheckpointAck | None:
-            raw = self._get(self.keys.ack(generation))
-            return None if raw is None else CheckpointAck.from_json(raw)
-
-        return wait_for(ack, timeout, f"the ack of checkpoint request {generation}")  # type: ignore[no-any-return]
 
 
 class WorkerPids:

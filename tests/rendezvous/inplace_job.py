@@ -205,14 +205,23 @@ class InPlaceJob:
 
     def checkpoint(self, generation: int, timeout: float = 60) -> CheckpointAck:
         """Ask for a checkpoint with hold, and wait for its ack."""
+        self.ask_checkpoint(generation, timeout)
+        return self.acked(generation, timeout)
+
+    def ask_checkpoint(self, generation: int, timeout: float = 240) -> None:
+        """Ask for a checkpoint with hold, without waiting: the world that reaches a step
+        boundary next (the one being formed, say) saves, acks and holds there."""
         request = CheckpointRequest(generation=generation, deadline=time.time() + timeout, hold=True, reason="test")
         self._put(self.keys.checkpoint, request.to_json())
 
-        def acked() -> CheckpointAck | None:
+    def acked(self, generation: int, timeout: float = 180) -> CheckpointAck:
+        """The ack of checkpoint request ``generation``, once written."""
+
+        def ack() -> CheckpointAck | None:
             raw = self._get(self.keys.ack(generation))
             return None if raw is None else CheckpointAck.from_json(raw)
 
-        return wait_for(acked, timeout, f"the ack of checkpoint request {generation}")  # type: ignore[no-any-return]
+        return wait_for(ack, timeout, f"the ack of checkpoint request {generation}")  # type: ignore[no-any-return]
 
     def expect(self, generation: int, nodes: list[str], cause: str = "manual") -> None:
         """The next round holds exactly ``nodes`` (it waits for all of them)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 import pytest
 
 from regroup.demo.etcd_server import EtcdServer
-from regroup.records import CheckpointAck, CheckpointRequest
 from tests.rendezvous.inplace_job import InPlaceJob, wait_for
 from tests.trainer.harness import check, step_losses
 from tests.trainer.test_resize import LOSS_RTOL
@@ -92,21 +90,6 @@ class ScriptJob(InPlaceJob):
 
     def worker(self) -> list[str]:
         return [str(SCRIPT), *self.script_args]
-
-    def ask_checkpoint(self, generation: int, timeout: float = 240) -> None:
-        """Ask for a checkpoint with hold, without waiting: the world that reaches a step
-        boundary next (the one being formed, say) acks and holds there."""
-        request = CheckpointRequest(generation=generation, deadline=time.time() + timeout, hold=True, reason="test")
-        self._put(self.keys.checkpoint, request.to_json())
-
-    def acked(self, generation: int, timeout: float = 180) -> CheckpointAck:
-        """The ack of checkpoint request ``generation``, once written."""
-
-        def ack() -> CheckpointAck | None:
-            raw = self._get(self.keys.ack(generation))
-            return None if raw is None else CheckpointAck.from_json(raw)
-
-        return wait_for(ack, timeout, f"the ack of checkpoint request {generation}")  # type: ignore[no-any-return]
 
 
 STEPS = 100
