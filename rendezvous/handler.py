@@ -12,12 +12,14 @@ stale worker address or ``MASTER_ADDR`` of an earlier round can leak into this o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import structlog
@@ -165,18 +167,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._peer_failure_round = round
         log.warning("a worker's collective failed on a peer", job=self._settings.job.job, node=self.node,
                     round=round, peer=peer or "not named")
-        try:
-            self._shared.loop.loop.call_soon_threadsafe(self._keys.note_peer_failure_soon, round, at, peer)
-        except RuntimeError:
-            pass  # the loop is closed: this agent has left already
+        self._on_loop(self._keys.note_peer_failure_soon, round, at, peer)
 
     def note_worker_exit(self, round: int, note: str) -> None:
         """A worker exited during the in-place re-form of ``round``'s world, likely for the
         reason ``note`` says (one line): put it in this agent's member record. From any thread."""
-        try:
-            self._shared.loop.loop.call_soon_threadsafe(self._keys.note_worker_exit_soon, round, note)
-        except RuntimeError:
-            pass  # the loop is closed: this agent has left already
+        self._on_loop(self._keys.note_worker_exit_soon, round, note)
 
     def notice_leaving(self, since: float, by: float, stop_at: float, reason: str) -> None:
         """This agent was told to stop (SIGTERM) at ``since`` and must be gone by ``by``: say so
@@ -186,10 +182,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         this handler's rendezvous runs: it only hands the work to the loop thread."""
         self._leaving = f"told to stop: {reason}"
         self._leave_by = by
-        try:
-            self._shared.loop.loop.call_soon_threadsafe(self._note_leaving, since, by, stop_at, reason)
-        except RuntimeError:
-            pass  # the loop is closed: this agent has left already
+        self._on_loop(self._note_leaving, since, by, stop_at, reason)
 
     def _note_leaving(self, since: float, by: float, stop_at: float, reason: str) -> None:
         log.warning(
@@ -234,6 +227,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if own:
             self._restart_count += 1
         return own
+
+    def _on_loop(self, work: Callable[..., object], *args: object) -> None:
+        """Hand ``work`` to the loop thread, from any thread (a signal handler too); nothing
+        when the loop is closed: this agent has left already."""
+        with contextlib.suppress(RuntimeError):
+            self._shared.loop.loop.call_soon_threadsafe(work, *args)
 
     def _update_member(self) -> None:
         """Rewrite the member record (round, restart count, probation) from this thread."""
