@@ -19,6 +19,7 @@ COPY regroup ./regroup
 COPY controller ./controller
 COPY rendezvous ./rendezvous
 COPY trainer ./trainer
+COPY elastic ./elastic
 COPY demo ./demo
 RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

@@ -7,11 +7,15 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test test-busy etcd tools venv bench clean
 
+# apt-get waits up to 10 minutes for another apt (unattended-upgrades on a fresh machine)
+# to let go of the dpkg lock, instead of failing at once.
+APT_GET := apt-get -o DPkg::Lock::Timeout=600
+
 # $(call apt_missing,command=package ...): install the Debian packages whose command is
 # not on PATH, after one apt-get update. No recommends: prometheus's would add a node exporter.
 apt_missing = @packages=""; \
 	for need in $(1); do command -v "$${need%%=*}" >/dev/null 2>&1 || packages="$$packages $${need\#*=}"; done; \
-	[ -z "$$packages" ] || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$packages; }
+	[ -z "$$packages" ] || { $(APT_GET) update && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y --no-install-recommends $$packages; }
 
 etcd:
 	$(call apt_missing,etcd=etcd-server)
@@ -39,7 +43,7 @@ test-busy: tools venv
 	$(PY) tests/busy.py $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: etcd venv
-	@command -v valgrind >/dev/null 2>&1 || { apt-get update && apt-get install -y valgrind; }  # controller --instructions
+	@command -v valgrind >/dev/null 2>&1 || { $(APT_GET) update && $(APT_GET) install -y valgrind; }  # controller --instructions
 	$(PIP) install --disable-pip-version-check -q -e '.[train,report,test,bench]'
 	$(PY) -m bench $(ARGS)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from regroup.trainer import elastic
+from regroup import elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "fsdp2" / "upstream"))
 from model import ModelArgs, Transformer  # noqa: E402 - the upstream example's own model

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from regroup.trainer import elastic
+from regroup import elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "mingpt" / "upstream"))
 from model import GPT, GPTConfig  # noqa: E402 - upstream's model

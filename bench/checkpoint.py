@@ -40,11 +40,12 @@ def _model_for(state_mb: float) -> dict[str, int]:
 def measure(state_mb: float, repeats: int, root: Path) -> dict[str, Any]:
     import torch
 
-    from regroup.trainer.app_state import AppState, TrainerState
-    from regroup.trainer.checkpoint import Checkpointer
-    from regroup.trainer.checkpoint_folders import folder_bytes, step_dir
+    from regroup.elastic.checkpoint.app_state import AppState, TrainerState
+    from regroup.elastic.checkpoint.checkpointer import Checkpointer
+    from regroup.elastic.checkpoint.folders import folder_bytes, step_dir
+    from regroup.elastic.world.runtime import init_runtime
     from regroup.trainer.config_loading import config_from_dict
-    from regroup.trainer.distributed import build_sharded_model, init_runtime
+    from regroup.trainer.sharding import build_sharded_model
 
     cfg = config_from_dict({"model": _model_for(state_mb), "checkpoint": {"dir": str(root), "keep_last": 1}})
     runtime = _runtime(init_runtime)

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -147,8 +146,10 @@ async def measure(nodes: int, pods: int, events: int) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench kubeapi", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--nodes", type=int, default=2000, help="nodes loaded before measuring")
     parser.add_argument("--pods", type=int, default=10000, help="worker pods loaded (200 jobs, 200 namespaces)")
     parser.add_argument("--events", type=int, default=10000, help="pod writes streamed through one watch")
@@ -158,6 +159,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:28s} {value:12.2f}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

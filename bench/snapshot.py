@@ -44,11 +44,12 @@ def worker(state_mb: float, steps: int, rounds: int, out: Path) -> None:
     import torch.distributed as dist
 
     from bench.checkpoint import _model_for
-    from regroup.trainer.boundary import agree
+    from regroup.elastic.world.boundary import agree
     from regroup.trainer.config_loading import config_from_dict
-    from regroup.trainer.distributed import build_sharded_model, init_runtime
-    from regroup.trainer.snapshot import Snapshots
-    from regroup.trainer.snapshot_cost import state_bytes
+    from regroup.elastic.world.runtime import init_runtime
+    from regroup.trainer.sharding import build_sharded_model
+    from regroup.elastic.memory.snapshot import Snapshots
+    from regroup.elastic.memory.snapshot_cost import state_bytes
 
     cfg = config_from_dict({"model": _model_for(state_mb)})
     rt = init_runtime(dict(os.environ), "auto", timeout=timedelta(minutes=10))
@@ -153,7 +154,7 @@ def measure(state_mb: float, steps: int, rounds: int, nproc: int, scratch: Path)
     out.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "bench.snapshot", "--worker", str(state_mb), "--steps", str(steps),
+        "-m", "bench", "snapshot", "--worker", str(state_mb), "--steps", str(steps),
         "--rounds", str(rounds), "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -223,6 +224,3 @@ def main(argv: list[str]) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

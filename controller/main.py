@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import ipaddress
 import os
+import re
 import signal
 import socket
 from pathlib import Path
 
 import structlog
 
+from regroup.controller.etcd_flags import add_etcd_arguments, etcd_settings
 from regroup.controller.http import HealthServer
 from regroup.controller.jobconfig import parse_duration
 from regroup.controller.kube.actuator import KubeActuator
@@ -24,7 +27,7 @@ from regroup.controller.kube.leader import LeaderElector
 from regroup.controller.kube.source import KubeSource
 from regroup.controller.metrics import ControllerMetrics
 from regroup.controller.runtime import run_controller
-from regroup.controller.settings import CleanupSettings, ControllerSettings
+from regroup.controller.settings import CleanupSettings, ControllerSettings, RuntimeSettings
 from regroup.etcd import EtcdSettings
 from regroup.telemetry import configure_logging, configure_tracing
 
@@ -34,11 +37,16 @@ log = structlog.get_logger("regroup.controller")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", type=Path, default=None,
                         help="kubeconfig file (default: in-cluster service account)")
-    parser.add_argument("--etcd", default=os.environ.get("REGROUP_ETCD", "127.0.0.1:2379"),
-                        help="etcd endpoint(s) host:port[,host:port] for jobs that name none (default %(default)s)")
-    parser.add_argument("--etcd-cacert", type=Path, default=None, help="CA bundle for etcd TLS")
-    parser.add_argument("--etcd-cert", type=Path, default=None, help="client certificate for etcd mTLS")
-    parser.add_argument("--etcd-key", type=Path, default=None, help="client key for etcd mTLS")
+    add_etcd_arguments(parser, "etcd endpoint(s) host:port[,host:port] for jobs that name none")
+    parser.add_argument("--etcd-job-identities", action=argparse.BooleanOptionalAction, default=False,
+                        help="give every job its own etcd user and role, regroup:job:<namespace>:<job> (its workers' "
+                             "client certificate CN), made when the job appears and removed once nothing of it is "
+                             "left: its workers may then touch only their own job's keys, and only those a worker "
+                             "writes. Needs etcd auth bootstrapped (regroup etcd-auth bootstrap) and this controller "
+                             "connecting as a user of role root (default off)")
+    parser.add_argument("--listen-address", type=_listen_address, default=RuntimeSettings.http_host, metavar="ADDRESS",
+                        help="address the /metrics, /healthz, /readyz server binds: e.g. the pod IP or 127.0.0.1 "
+                             "(default %(default)s: every IPv4 address of the host)")
     parser.add_argument("--http-port", type=int, default=8080, help="port of /metrics, /healthz, /readyz (default %(default)s)")
     parser.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True,
                         help="elect one active replica through a coordination.k8s.io Lease (default on)")
@@ -60,13 +68,27 @@ def _cleanup(text: str) -> CleanupSettings:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _listen_address(text: str) -> str:
+    """``--listen-address``: an IP address (v4 or v6) or a host name, no port."""
+    text = text.strip().removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        if not all(_HOST_LABEL.fullmatch(label) for label in text.split(".")):
+            raise argparse.ArgumentTypeError(f"not an IP address or host name: {text!r}") from None
+    return text
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
 def settings_from_args(args: argparse.Namespace) -> tuple[ControllerSettings, EtcdSettings]:
     identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     base = ControllerSettings()
-    runtime = dataclasses.replace(base.runtime, identity=identity, workers=args.workers)
+    runtime = dataclasses.replace(base.runtime, identity=identity, workers=args.workers, http_host=args.listen_address,
+                                  etcd_job_identities=args.etcd_job_identities)
     settings = dataclasses.replace(base, runtime=runtime, cleanup=args.retention)
-    etcd = EtcdSettings.from_endpoint_string(args.etcd, cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key)
-    return settings, etcd
+    return settings, etcd_settings(args)
 
 
 async def serve(args: argparse.Namespace) -> None:

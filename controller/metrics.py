@@ -56,7 +56,8 @@ class ControllerMetrics:
             "regroup_rendezvous_rounds", "Rendezvous rounds observed.", ["namespace", "job"], registry=r
         )
         self.flapping = Gauge(
-            "regroup_rendezvous_flapping", "1 while rounds come faster than the threshold.", ["namespace", "job"], registry=r
+            "regroup_rendezvous_flapping", "1 while rounds that gave way before a training step in them come faster "
+            "than the threshold.", ["namespace", "job"], registry=r
         )
         self.rendezvous_on_gpu = Gauge(
             "regroup_rendezvous_pod_on_gpu_node", "1 while the job's rendezvous pod runs on a GPU node.",

@@ -32,7 +32,7 @@ from regroup.controller.snapshot import JobSnapshot
 from regroup.controller.snapshot_builder import build_snapshot
 from regroup.controller.suspects import refresh
 from regroup.keys import DEFAULT_PREFIX, JobKeys, KeyKind, read_record
-from regroup.records import CheckpointAck, FinishedJob, MemberRecord, Record, RecordError, RoundState
+from regroup.records import CheckpointAck, FinishedJob, MemberRecord, Progress, Record, RecordError, RoundState
 
 __all__ = ["ClusterModel", "JobId", "JobState"]
 
@@ -63,11 +63,14 @@ class ClusterModel:
         identity: str = "regroup-controller",
         on_synced: Callable[[], None] | None = None,
         job_defaults: JobDefaults | None = None,
+        on_tracking: Callable[[JobId], None] | None = None,
     ) -> None:
         self._defaults = job_defaults or JobDefaults()
         self._clock = clock
         self._on_dirty = on_dirty
         self._on_synced = on_synced
+        self._on_tracking = on_tracking
+        """Told each job that starts or stops being tracked (enters or leaves ``jobs``)."""
         self._prefix = prefix
         self.identity = identity
         self.fleet = Fleet(cordon_taint)
@@ -102,7 +105,15 @@ class ClusterModel:
         state = self.jobs.get(job)
         if state is None:
             state = self.jobs[job] = JobState()
+            if self._on_tracking is not None:
+                self._on_tracking(job)
         return state
+
+    def _forget(self, job: JobId) -> None:
+        """Nothing of ``job`` is left in the cluster or in etcd: stop tracking it."""
+        del self.jobs[job]
+        if self._on_tracking is not None:
+            self._on_tracking(job)
 
     def _node_touched(self, node: str) -> None:
         """The node's state changed in a way decisions read: refresh and wake its jobs."""
@@ -169,7 +180,7 @@ class ClusterModel:
         pod = state.remove_pod(name, self._clock())
         self.fleet.pod_removed(key, pod.node if pod is not None else None)
         if state.empty():
-            del self.jobs[job_id]  # a job whose pods never wrote anything: nothing to decide
+            self._forget(job_id)  # a job whose pods never wrote anything: nothing to decide
             return
         refresh(state, self.fleet, state.nodes_naming(name))
         self._on_dirty(job_id)
@@ -269,6 +280,8 @@ class ClusterModel:
             setattr(state, revision_field, revision)
         if kind is KeyKind.PROGRESS:
             state.progress_arrived(now)
+            if isinstance(record, Progress):
+                state.round.progressed(record)
         return True
 
     def etcd_delete(self, key: str, revision: int, wake: bool = True) -> None:
@@ -305,7 +318,7 @@ class ClusterModel:
         else:
             return
         if state.empty():
-            del self.jobs[job_id]
+            self._forget(job_id)
         elif wake:
             self._on_dirty(job_id)
 
@@ -357,7 +370,7 @@ class ClusterModel:
         state = state.without_keys(self._clock())
         state.tombstone, state.tombstone_revision = tombstone, revision
         if state.empty():
-            del self.jobs[job_id]
+            self._forget(job_id)
         else:
             self.jobs[job_id] = state
 
@@ -376,7 +389,7 @@ class ClusterModel:
             return
         state.tombstone, state.tombstone_revision = None, 0
         if state.empty():
-            del self.jobs[job_id]
+            self._forget(job_id)
         elif wake:
             self._on_dirty(job_id)
 
@@ -402,7 +415,7 @@ class ClusterModel:
             if job_id in self.jobs and state.round.formed_round is not None and KeyKind.ROUND_STATE.value not in have:
                 self.etcd_delete(root + KeyKind.ROUND_STATE.value, 0)
             elif job_id in self.jobs and state.empty():
-                del self.jobs[job_id]
+                self._forget(job_id)
         self.etcd_synced = True
         self._dirty(list(self.jobs))
         self._synced()

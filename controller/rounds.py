@@ -4,6 +4,13 @@ The rendezvous' own record of the last formed round (``rdzv/state``, owned by
 rendezvous/) is the authority once it exists. Without it the members lead: the round
 advances only when a node of the current round moves to a later one, so joiners
 announcing a later round do not move it, nor do agents that restarted.
+
+It also follows which rounds the trainers took a step in (``progress``, from the round
+its record names): a round that gave way to the next before any training step in it did
+not hold, and rounds that do not hold, again and again, are what flapping is. A re-form
+the controller asked for, in place or not, with a spare or not, and the round the agents
+form around a crashed rank all train at once; they are churn the job got through, however
+many of them come.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from regroup.records import MemberRecord, ReformPlan, RoundState
+from regroup.records import MemberRecord, Progress, ReformPlan, RoundState
 
 HISTORY = 64
 """Restart and round timestamps kept per node/job: far more than any K of a storm rule."""
@@ -38,6 +45,16 @@ class JobRound:
         """When the round advanced (rendezvous rounds), oldest first."""
         self.advanced = 0
         """Rounds the job's world advanced through while observed."""
+        self.trained = 0
+        """The newest round the trainers took a step in: the round their newest progress
+        record names (with a trainer that names none, the round in place when it came)."""
+        self.untrained: deque[float] = deque(maxlen=HISTORY)
+        """When the round advanced past one the trainers took no step in (it formed, then
+        gave way before any training), oldest first: what the flapping alert counts."""
+
+    def progressed(self, progress: Progress) -> None:
+        """A progress record of the trainers arrived: the round it comes from trained."""
+        self.trained = max(self.trained, progress.round or self.world_round or 0)
 
     def formed(self, record: RoundState, members: Mapping[str, MemberRecord], now: float) -> tuple[bool, bool]:
         """Apply ``rdzv/state``. Returns (anything changed, the round changed)."""
@@ -51,7 +68,7 @@ class JobRound:
         self.order = tuple(record.nodes)
         self.formed_at = record.formed_at
         if self.world_round is not None and formed > self.world_round:
-            self._advance(now)
+            self._advance(now, self.world_round)
         self.formed_round = self.world_round = formed
         self.seen = set(record.nodes)
         self.seen.update(n for n, m in members.items() if m.round == formed)
@@ -71,8 +88,8 @@ class JobRound:
             self.seen.add(node)
             return False
         if self.formed_round is None and node in self.seen and member.round > self.world_round:
+            self._advance(now, self.world_round)
             self.world_round = member.round
-            self._advance(now)
             self.seen = {n for n, m in members.items() if m.round == member.round}
             return True
         return False
@@ -90,6 +107,9 @@ class JobRound:
             self.world_round = max(counts, key=lambda r: (counts[r], -r))
         self.seen = {n for n, m in members.items() if m.round == self.world_round}
 
-    def _advance(self, now: float) -> None:
+    def _advance(self, now: float, left: int) -> None:
+        """The round advanced past round ``left`` (0: the agents had formed none yet)."""
         self.times.append(now)
+        if left > self.trained:
+            self.untrained.append(now)
         self.advanced += 1

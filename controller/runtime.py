@@ -1,8 +1,9 @@
 """``run_controller``: the controller's one asyncio loop.
 
 Owned tasks: the cluster source and the etcd mirror (feeding the model), the reconcile
-workers (started once both have listed everything), the Event recorder, the periodic resync
-and the presence lease. All are
+workers (started once both have listed everything), the Event recorder, the periodic resync,
+the presence lease and, with ``etcd_job_identities``, the keeper of the jobs' etcd identities
+(``identities``, started with the workers). All are
 cancelled together when the caller cancels ``run_controller``; the lease is revoked on
 the way out, so agents see the controller gone at once and handle joins themselves again.
 """
@@ -21,6 +22,7 @@ from opentelemetry import trace
 
 from regroup.controller.cluster import ClusterActuator, ClusterSource
 from regroup.controller.etcd_mirror import OwnWrites, mirror_etcd
+from regroup.controller.identities import JobIdentities
 from regroup.controller.metrics import ControllerMetrics
 from regroup.controller.model import ClusterModel, JobId
 from regroup.controller.reconciler import Outcome, PlanConflict, Reconciler
@@ -228,6 +230,7 @@ async def run_controller(
     client = await _connect(etcd, settings)
     queue: WorkQueue[JobId] = WorkQueue(clock)
     synced = asyncio.Event()
+    identities = JobIdentities(client, settings, clock) if settings.runtime.etcd_job_identities else None
     model = ClusterModel(
         clock,
         queue.add,
@@ -236,6 +239,7 @@ async def run_controller(
         identity=settings.runtime.identity,
         on_synced=synced.set,
         job_defaults=settings.jobs,
+        on_tracking=identities.touch if identities is not None else None,
     )
     own = OwnWrites()
     writer = EtcdLeaseWriter(client, own)
@@ -265,6 +269,9 @@ async def run_controller(
             # one whose etcd keys (or tombstone) are not looks new, so its keys would be
             # written again. The queue gathers the jobs meanwhile.
             await synced.wait()
+            if identities is not None:
+                # Removals need the whole view as much as decisions do (an unlisted job looks gone).
+                tasks.create_task(identities.run(model, reconciler.events), name="etcd-identities")
             for i in range(settings.runtime.workers):
                 tasks.create_task(loop.worker(), name=f"reconcile-{i}")
             tasks.create_task(loop.resync(settings.runtime.resync), name="resync")

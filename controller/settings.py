@@ -60,7 +60,8 @@ class ReformSettings:
     """A re-form whose trainer has not reported progress at the new size by then is
     finished with outcome ``timeout``."""
     flapping_rounds: int = 4
-    """Rendezvous rounds within ``flapping_window`` that raise the flapping alert."""
+    """Rendezvous rounds that gave way to the next before the trainers took a step in them,
+    within ``flapping_window``, that raise the flapping alert."""
     flapping_window: timedelta = timedelta(minutes=10)
     """Window of the flapping alert."""
 
@@ -136,7 +137,13 @@ class RuntimeSettings:
     http_port: int | None = None
     """Serve ``/metrics``, ``/healthz``, ``/readyz`` on this port (None: no HTTP server)."""
     http_host: str = "0.0.0.0"
-    """Address the HTTP server binds."""
+    """Address the HTTP server binds (``--listen-address``): every IPv4 address of the host by
+    default; the pod IP or 127.0.0.1 keeps it off other interfaces."""
+    etcd_job_identities: bool = False
+    """Give every job its own etcd user and role (``regroup.etcd.auth``), made as soon as the
+    job is seen and removed once nothing of it is left (``--etcd-job-identities``). The
+    controller's own etcd identity must then hold etcd's ``root`` role: etcd has no narrower
+    permission for managing users and roles."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:

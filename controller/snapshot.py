@@ -84,6 +84,9 @@ class JobSnapshot:
     """Per node, unix times (oldest first) of the rank/container restarts observed there for this job."""
     round_times: Sequence[float]
     """Unix times the job's round advanced (rendezvous rounds), as the controller saw it."""
+    untrained_round_times: Sequence[float]
+    """Those of ``round_times`` when the round advanced past one the trainers took no step
+    in: it did not hold (``regroup.controller.rounds``)."""
     round_formed_at: float
     """Unix time the rendezvous formed the job's round, by its own clock (``rdzv/state``
     ``formed_at``); 0 when it has written none."""

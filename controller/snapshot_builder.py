@@ -61,6 +61,7 @@ def build_snapshot(
         first_seen=state.sightings,
         restarts=state.restarts,
         round_times=rnd.times,
+        untrained_round_times=rnd.untrained,
         round_formed_at=rnd.formed_at,
         plan=state.plan,
         plan_revision=state.plan_revision,

@@ -12,9 +12,10 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
+from regroup.controller.etcd_flags import add_etcd_arguments, etcd_settings
 from regroup.controller.reform_summary import completion_event, reform_seconds
 from regroup.controller.tracing import phase_times
-from regroup.etcd import EtcdSettings, EtcdUnavailable, connect
+from regroup.etcd import ClientError, EtcdSettings, EtcdUnavailable, connect
 from regroup.keys import JobKeys
 from regroup.records import (
     Exclusions,
@@ -31,7 +32,8 @@ from regroup.records import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", required=True, help="the job's regroup.dev/job label value")
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="the job's namespace")
-    parser.add_argument("--etcd", default=os.environ.get("REGROUP_ETCD", "127.0.0.1:2379"), help="etcd host:port[,host:port]")
+    # The controller's etcd flags (a production etcd wants its CA and a client certificate).
+    add_etcd_arguments(parser, "etcd host:port[,host:port]")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -140,13 +142,13 @@ def render(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         keys = JobKeys(args.namespace, args.job)
-        etcd = EtcdSettings.from_endpoint_string(args.etcd)
+        etcd = etcd_settings(args)
     except ValueError as exc:
         print(f"regroup status: {exc}")
         return 2
     try:
         report = asyncio.run(job_status(keys, etcd))
-    except EtcdUnavailable as exc:
+    except (EtcdUnavailable, ClientError) as exc:  # ClientError: a certificate etcd refuses this job's keys
         print(f"regroup status: {exc}")
         return 1
     if args.json:

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 from regroup.records import DETECT_PHASE
 from regroup.telemetry import read_spans
-from regroup.trace_report import Reform, reforms_from_spans
+from regroup.trace_report import Origin, Reform, all_reforms, demo_start
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,20 @@ class ScriptedEvent:
     reason: str
     message: str
     nodes: tuple[str, ...] = ()
+    type: str = ""
+    """``Normal`` or ``Warning`` ("" not recorded)."""
+    at: float | None = None
+    """A scenario event's scripted time (its YAML ``at``, seconds on the scenario's clock);
+    None for other events, and for runs that did not record it."""
+
+    def scripted_text(self, origin: float) -> str:
+        """``20``: the event's time on the scenario's clock, as its YAML says; ``20 (played at
+        35: the job settled first)`` when the run pushed it back (the script waits for each
+        event's job to settle on a slow machine)."""
+        played = self.time - origin
+        if self.at is None or abs(played - self.at) < 1.0:
+            return f"{played:.0f}"
+        return f"{self.at:.0f} (played at {played:.0f}: the job settled first)"
 
 
 @dataclass
@@ -154,6 +169,13 @@ class RunData:
     @property
     def ended_at(self) -> float:
         return float(self.meta["ended_at"])
+
+    @property
+    def origin(self) -> Origin:
+        """Where the report's times count from: the job's start as the demo defines it (the
+        scenario clock's start, once the job trained and settled), as ``regroup trace-report``
+        counts on this run's spans."""
+        return Origin(self.started_at, demo_start(self.mode))
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -201,6 +223,8 @@ def load_run(root: Path) -> RunData:
             reason=str(e["reason"]),
             message=str(e.get("message", "")),
             nodes=tuple(e.get("nodes", ())),
+            type=str(e.get("type", "")),
+            at=float(e["at"]) if e.get("at") is not None else None,
         )
         for e in _jsonl(root / "events.jsonl")
     ]
@@ -403,7 +427,8 @@ class EventImpact:
 
     event: ScriptedEvent
     reforms: tuple[Reform, ...]
-    """regroup's re-form traces that followed it (before the next scripted event)."""
+    """The re-forms that followed it (before the next scripted event): regroup's traces and
+    the worlds the agents formed on their own."""
     interruptions: tuple[Interruption, ...]
     """Training stops that followed it (before the next scripted event)."""
 
@@ -417,8 +442,53 @@ class EventImpact:
 
 
 def run_reforms(run: RunData) -> list[Reform]:
-    """The re-forms decided once training had started (the job's initial formation is not churn)."""
-    return [r for r in reforms_from_spans(run.spans) if r.start + r.phases.get(DETECT_PHASE, 0.0) >= run.started_at]
+    """Every re-form decided once training had started (the job's initial formation is not
+    churn): the controller's traces and the worlds the agents formed on their own after a
+    crash (``regroup.trace_report.all_reforms``)."""
+    return [r for r in all_reforms(run.spans) if r.start + r.phases.get(DETECT_PHASE, 0.0) >= run.started_at]
+
+
+MATCH_S = 5.0
+"""How far a re-form's first step in its new world (its trainers' resume) may be from the
+first progress record after a stop for the two to be one."""
+
+STOPPED = "stopped"
+"""The cause of a row for a stop of training no re-form of the spans accounts for (one that
+had not resumed by the end of the run, or a script that exports no spans of its own)."""
+
+
+def reform_rows(run: RunData) -> list[Reform]:
+    """The re-form table's rows: every re-form (``run_reforms``) with its lost steps as the
+    summary counts them (``run_interruptions``: the stop of training it ended), and a row
+    for each stop no re-form accounts for, so the table's lost steps add up to the summary's.
+
+    A stop is the re-form's whose trainers' first step in the new world (their resume, or
+    the trace's end) is nearest to the first progress after the stop, within ``MATCH_S``; a
+    re-form that stopped no training lost nothing."""
+    reforms = run_reforms(run)
+    stops = run_interruptions(run)
+    pairs = sorted(
+        (abs((r.resumed_at or r.end) - stop.resumed_at), i, j)
+        for i, r in enumerate(reforms)
+        for j, stop in enumerate(stops)
+        if stop.resumed
+    )
+    owner: dict[int, int] = {}
+    taken: set[int] = set()
+    for gap, i, j in pairs:
+        if gap <= MATCH_S and i not in owner and j not in taken:
+            owner[i] = j
+            taken.add(j)
+    rows = [dataclasses.replace(r, lost_steps=stops[owner[i]].lost_steps if i in owner else 0)
+            for i, r in enumerate(reforms)]  # fmt: skip
+    for j, stop in enumerate(stops):
+        if j in taken:
+            continue
+        why = "resumed, no re-form in the spans" if stop.resumed else "training had not resumed by the run's end"
+        rows.append(Reform(trace_id="", start=stop.stopped_at, end=stop.resumed_at, cause=STOPPED, planned=False,
+                           world_before=-1, world_after=-1, lost_steps=stop.lost_steps, phases={}, reason=why,
+                           asked=False))  # fmt: skip
+    return sorted(rows, key=lambda r: r.start)
 
 
 def _cause_index(times: list[float], moment: float, slack: float) -> int | None:
@@ -451,6 +521,84 @@ def event_impacts(run: RunData, slack: float = 1.0) -> list[EventImpact]:
         if i is not None:
             stops[i].append(stop)
     return [EventImpact(e, tuple(r), tuple(s)) for e, r, s in zip(scripted, reforms, stops)]
+
+
+_EVICTIONS = ("eviction", "pod deletion")
+CORDON, UNCORDON = "NodeNotSchedulable", "NodeSchedulable"
+"""The cluster's Events of a node's cordon (a drain's first half) and of its end."""
+
+
+def _notice_nodes(reason: str) -> list[str]:
+    """The nodes a reclaim plan's reason names: ``reclaim notice on n2 (...), n3 (...)``."""
+    return re.findall(r"(?:^reclaim notice on |\), )([^\s,()]+) \(", reason)
+
+
+def reform_label(run: RunData, reform: Reform) -> str:
+    """The re-form's cause as the report shows it: as its plan says (``Reform.label``: drain,
+    eviction, spot reclaim ...), and an eviction of a node the cluster had cordoned
+    (``NodeNotSchedulable``, not lifted since) as the drain it is: a drain cordons the node,
+    then evicts its pods, and the plan names the notice that ends first, the eviction's."""
+    label = reform.label
+    if label not in _EVICTIONS:
+        return label
+    decided = reform.start + reform.phases.get(DETECT_PHASE, 0.0) + 1.0
+    for node in _notice_nodes(reform.reason):
+        marks = [e.reason for e in run.events if e.reason in (CORDON, UNCORDON) and node in e.nodes
+                 and e.time <= decided]  # fmt: skip
+        if marks and marks[-1] == CORDON:
+            return "drain"
+    return label
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """One Event of the run as ``kubectl get events`` shows it: told on several objects at
+    once (a job-level Event is told on each of the job's pods), or repeated, it is one row."""
+
+    time: float
+    """When it was first posted."""
+    last: float
+    """When it was last posted."""
+    source: str
+    type: str
+    reason: str
+    message: str
+    nodes: tuple[str, ...]
+    """Every object (node, or a pod's node) it was told on."""
+    count: int
+    """How many times it was posted on its objects (1: once)."""
+    at: float | None = None
+    """A scenario event's scripted time (``ScriptedEvent.at``)."""
+
+
+COPIES_S = 1.0
+"""Posts of one Event on several objects (the controller tells a job-level Event on each of
+the job's pods, one after the other) land within this long of the first."""
+
+
+def event_rows(run: RunData) -> list[EventRow]:
+    """The run's Events, one row each: the copies of one Event told on several objects at
+    once (same source, type, reason and message within ``COPIES_S``) are one, and one that
+    repeats on the same objects (as Kubernetes counts an Event's series) is one row with
+    its count and last time."""
+    posts: list[tuple[tuple[str, str, str, str], float, set[str], float | None]] = []
+    for e in run.events:
+        key = (e.source, e.type, e.reason, e.message)
+        last = next((p for p in reversed(posts) if p[0] == key), None)
+        if last is not None and e.time - last[1] <= COPIES_S:
+            last[2].update(e.nodes)
+        else:
+            posts.append((key, e.time, set(e.nodes), e.at))
+    rows: dict[tuple[tuple[str, str, str, str], frozenset[str]], EventRow] = {}
+    for key, at, nodes, scripted in posts:
+        group = (key, frozenset(nodes))
+        seen = rows.get(group)
+        if seen is None:
+            source, type_, reason, message = key
+            rows[group] = EventRow(at, at, source, type_, reason, message, tuple(sorted(nodes)), 1, scripted)
+        else:
+            rows[group] = dataclasses.replace(seen, last=at, count=seen.count + 1)
+    return sorted(rows.values(), key=lambda r: r.time)
 
 
 def cordoned_nodes(run: RunData) -> list[str]:

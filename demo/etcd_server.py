@@ -8,11 +8,13 @@ same ports and data (to test that clients ride out an etcd restart). Its ports c
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +36,10 @@ class TlsFiles:
     server_key: Path
     client_cert: Path
     client_key: Path
+
+    def client_for(self, cn: str | None) -> tuple[Path, Path]:
+        """(certificate, key) of a client certificate for ``cn`` from this CA (``issue_client_certificate``)."""
+        return issue_client_certificate(self.ca, cn)
 
 
 @dataclass
@@ -222,7 +228,10 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 def make_tls_files(directory: Path, host: str = "127.0.0.1") -> TlsFiles:
-    """A throwaway CA with a server and a client certificate, via the openssl CLI."""
+    """A throwaway CA with a server and a client certificate, via the openssl CLI. The
+    server's certificate serves as a client's too: etcd's HTTP gateway presents it to etcd
+    itself, which checks it under ``--client-cert-auth``. More clients:
+    ``issue_client_certificate``."""
     directory.mkdir(parents=True, exist_ok=True)
     d = directory
 
@@ -237,3 +246,44 @@ def make_tls_files(directory: Path, host: str = "127.0.0.1") -> TlsFiles:
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-days", "2", "-extfile", "san.ext", "-out", f"{name}.crt")  # fmt: skip
     return TlsFiles(d / "ca.crt", d / "server.crt", d / "server.key", d / "client.crt", d / "client.key")
+
+
+_ISSUING = threading.Lock()
+_EC = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2")
+
+
+def _file_stem(cn: str | None) -> str:
+    if cn is None:
+        return "client-no-cn"
+    safe = "".join(c if c.isalnum() or c in "-." else "_" for c in cn)
+    # Two CNs that differ only where a character was replaced must not share files.
+    return "client-" + (safe if safe == cn else f"{safe}-{hashlib.sha256(cn.encode()).hexdigest()[:8]}")
+
+
+def issue_client_certificate(ca: Path, cn: str | None) -> tuple[Path, Path]:
+    """(certificate, key) of a client certificate signed by the CA ``ca`` (its key ``ca.key``
+    beside it, as ``make_tls_files`` leaves it), in ``ca``'s folder, issued once per CN
+    there. EC keys: milliseconds each, so one per job is cheap. With etcd's
+    ``--client-cert-auth`` and authentication on, the CN is the etcd user; ``cn=None``
+    issues one without a CN, the only kind etcd 3.4's HTTP gateway (``/v3/...``) then
+    accepts (it authenticates by token, never by a certificate's CN).
+
+    Safe to call from threads and processes at once: the files appear whole (written under
+    temporary names, then renamed, the key first)."""
+    directory = ca.parent
+    stem = _file_stem(cn)
+    cert, key = directory / f"{stem}.crt", directory / f"{stem}.key"
+    with _ISSUING:
+        if cert.is_file():
+            return cert, key
+        tmp = f"{stem}.{os.getpid()}.{threading.get_ident()}.tmp"
+        subject = f"/CN={cn}" if cn is not None else "/O=regroup-no-cn"
+        extensions = ("basicConstraints=critical,CA:FALSE", "extendedKeyUsage=clientAuth")
+        subprocess.run(
+            ["openssl", "req", "-x509", *_EC, "-subj", subject, "-CA", ca.name, "-CAkey", ca.with_suffix(".key").name,
+             *[arg for e in extensions for arg in ("-addext", e)], "-keyout", f"{tmp}.key", "-out", f"{tmp}.crt"],
+            check=True, capture_output=True, cwd=directory,
+        )  # fmt: skip
+        os.replace(directory / f"{tmp}.key", key)
+        os.replace(directory / f"{tmp}.crt", cert)
+    return cert, key

@@ -22,19 +22,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from regroup.demo.analysis import (
+    EventRow,
     RunData,
     continuity_errors,
     cordoned_nodes,
     event_impacts,
+    event_rows,
     goodput,
     incarnations,
+    reform_label,
+    reform_rows,
     run_interruptions,
     run_reforms,
     world_size_timeline,
 )
 from regroup.demo.strategy import Strategy, plans_by_trace, reform_strategy, strategy_counts
 from regroup.demo.throughput import DEFAULT_WINDOW_S, EventThroughput, throughput_around_events
-from regroup.trace_report import PHASES, Reform, format_table
+from regroup.trace_report import PHASES, Reform, format_table, table_rows
 
 PHASE_COLOURS = {"detect": "#d62728", "checkpoint": "#1f77b4", "rendezvous": "#ff7f0e", "resume": "#2ca02c"}
 RUN_COLOURS = {"regroup": "#1f77b4", "regroup-restart": "#ff7f0e", "torchrun-c10d": "#7f7f7f"}
@@ -51,6 +55,7 @@ class RunSummary:
     lost_steps: int
     interruptions: int
     reforms: int
+    """Every re-form: the controller's traces and the worlds the agents formed on their own."""
     cordoned: tuple[str, ...]
     continuous: bool
     reclaim_lost_steps: int | None
@@ -138,7 +143,7 @@ def world_size_chart(runs: list[RunData]) -> str:
         ax.set_ylabel("ranks training")
         ax.set_title(_label(run), fontsize=10, loc="left")
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("seconds since training started (x: injected rank crash, v: cordon)")
+    axes[-1, 0].set_xlabel("seconds since the job's start (x: injected rank crash, v: cordon)")
     return _png(fig)
 
 
@@ -173,11 +178,13 @@ def loss_chart(runs: list[RunData]) -> str | None:
     return _png(fig)
 
 
-def _cause(reform: Reform, strategy: Strategy | None = None) -> str:
-    """The re-form's cause, with how the workers got through it and how the world was kept
-    (replace, migrate or elastic, with the positions handed over) where the run says."""
+def _cause(run: RunData, reform: Reform, strategy: Strategy | None = None) -> str:
+    """The re-form's cause (``reform_label``: drain, eviction, spot reclaim ...), with how the
+    workers got through it and how the world was kept (replace, migrate or elastic, with the
+    positions handed over) where the run says."""
     how = "; ".join(filter(None, [reform.mode, strategy.describe() if strategy else ""]))
-    return f"{reform.cause} ({how})" if how else reform.cause
+    label = reform_label(run, reform)
+    return f"{label} ({how})" if how else label
 
 
 def worker_exit_lines(reforms: list[Reform]) -> list[str]:
@@ -187,26 +194,46 @@ def worker_exit_lines(reforms: list[Reform]) -> list[str]:
     return [f"#{i} {r.worker_exit}" for i, r in enumerate(reforms, 1) if r.worker_exit]
 
 
-def reform_latency_chart(run: RunData) -> str | None:
+MAX_X_LABELS = 16
+"""The latency chart names at most this many bars (every k-th, the others by their number
+in the table): more would not fit side by side at any angle."""
+
+
+def _world_text(reform: Reform) -> str:
+    return "->".join("?" if n < 0 else str(n) for n in (reform.world_before, reform.world_after))
+
+
+def reform_latency_figure(run: RunData) -> plt.Figure | None:
+    """Stacked phase bars, one per re-form (numbered as in the table), labelled with the
+    cause, the world and the time, slanted so neighbours do not overlap; with more than
+    ``MAX_X_LABELS`` bars only every k-th is named."""
     reforms = run_reforms(run)
     if not reforms:
         return None
-    plans = plans_by_trace(run)
-    fig, ax = plt.subplots(figsize=(10, 3.4))
-    labels = [
-        f"#{i} {_cause(r, reform_strategy(r, plans))}\n{r.world_before}->{r.world_after} @{r.start - run.started_at:.0f}s"
-        for i, r in enumerate(reforms, 1)
-    ]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    xs = list(range(len(reforms)))
     bottoms = [0.0] * len(reforms)
     for phase in PHASES:
         values = [r.phases.get(phase, 0.0) for r in reforms]
-        ax.bar(labels, values, bottom=bottoms, color=PHASE_COLOURS[phase], label=phase)
+        ax.bar(xs, values, bottom=bottoms, color=PHASE_COLOURS[phase], label=phase)
         bottoms = [b + v for b, v in zip(bottoms, values)]
+    every = -(-len(reforms) // MAX_X_LABELS)
+    named = xs[::every]
+    labels = [
+        f"#{i + 1} {reform_label(run, reforms[i])} {_world_text(reforms[i])} @{reforms[i].start - run.started_at:.0f}s"
+        for i in named
+    ]
+    ax.set_xticks(named, labels, rotation=35, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.set_xlim(-0.6, len(reforms) - 0.4)
     ax.set_ylabel("seconds")
     ax.legend()
-    ax.tick_params(axis="x", labelsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    return fig
+
+
+def reform_latency_chart(run: RunData) -> str | None:
+    fig = reform_latency_figure(run)
+    return None if fig is None else _png(fig)
 
 
 def per_event_chart(runs: list[RunData], metric: str) -> str:
@@ -252,7 +279,7 @@ def _summary_rows(summaries: list[RunSummary]) -> str:
         ("goodput", [f"{s.goodput:.0%}" for s in summaries]),
         ("steps lost (all events)", [str(s.lost_steps) for s in summaries]),
         ("training interruptions", [str(s.interruptions) for s in summaries]),
-        ("re-form traces", [str(s.reforms) for s in summaries]),
+        ("re-forms", [str(s.reforms) for s in summaries]),
         ("re-form strategies", [strategies_text(s) for s in summaries]),
         (
             "steps lost on planned leaves",
@@ -280,14 +307,15 @@ def _impact_table(runs: list[RunData]) -> str:
     )
     rows = []
     for i, first in enumerate(impacts[0]):
-        cells = [f"<td>{first.event.time - runs[0].started_at:.0f}</td><td>{html.escape(first.event.message)}</td>"]
-        for per_run, run_plans in zip(impacts, plans):
+        cells = [f"<td>{html.escape(first.event.scripted_text(runs[0].started_at))}</td>"
+                 f"<td>{html.escape(first.event.message)}</td>"]
+        for run, per_run, run_plans in zip(runs, impacts, plans):
             impact = per_run[i] if i < len(per_run) else None
             if impact is None:
                 cells.append("<td>-</td><td>-</td><td>-</td>")
                 continue
             reforms = ", ".join(
-                f"{_cause(r, reform_strategy(r, run_plans))} {r.duration:.1f}" for r in impact.reforms
+                f"{_cause(run, r, reform_strategy(r, run_plans))} {r.duration:.1f}" for r in impact.reforms
             ) or "-"
             cells.append(f"<td>{html.escape(reforms)}</td><td>{impact.downtime:.1f}</td><td>{impact.lost_steps}</td>")
         rows.append(f"<tr>{''.join(cells)}</tr>")
@@ -316,7 +344,8 @@ def _throughput_table(run: RunData) -> str:
         strategy = ", ".join(s.describe() for s in strategies if s is not None) or "-"
         ranks = f"{item.before.ranks if item.before else '-'} -> {item.after.ranks if item.after else '-'}"
         rows.append(
-            f"<tr><td>{item.event.time - run.started_at:.0f}</td><td>{html.escape(item.event.message)}</td>"
+            f"<tr><td>{html.escape(item.event.scripted_text(run.started_at))}</td>"
+            f"<td>{html.escape(item.event.message)}</td>"
             f"<td>{html.escape(strategy)}</td><td>{html.escape(ranks)}</td>"
             f"<td>{_rate_text(item.before.per_s if item.before else None)}</td>"
             f"<td>{_rate_text(item.after.per_s if item.after else None)}</td><td>{_ratio_text(item)}</td></tr>"
@@ -335,18 +364,54 @@ def throughput_line(run: RunData) -> str:
 
 
 def _events_table(run: RunData) -> str:
-    rows = "".join(
-        f"<tr><td>{e.time - run.started_at:.1f}</td><td>{html.escape(e.source)}</td>"
-        f"<td>{html.escape(e.reason)}</td><td>{html.escape(e.message)}</td></tr>"
-        for e in run.events
+    """One row per Event (``event_rows``): the objects it was told on, and how many times
+    it was posted when it repeated."""
+
+    def when(row: EventRow) -> str:
+        played = row.time - run.started_at
+        late = row.at is not None and abs(played - row.at) >= 1.0
+        return f"{played:.1f} (scripted at {row.at:.0f})" if late else f"{played:.1f}"
+
+    def count(row: EventRow) -> str:
+        return "1" if row.count == 1 else f"{row.count} (last at {row.last - run.started_at:.1f})"
+
+    rows = event_rows(run)
+    if not rows:
+        return "<p><em>no events</em></p>"
+    body = "".join(
+        f"<tr><td>{html.escape(when(e))}</td><td>{html.escape(e.source)}</td>"
+        f"<td>{html.escape(e.reason)}</td><td>{html.escape(e.message)}</td>"
+        f"<td>{html.escape(', '.join(e.nodes))}</td><td>{html.escape(count(e))}</td></tr>"
+        for e in rows
     )
-    return f"<table><tr><th>t (s)</th><th>source</th><th>reason</th><th>message</th></tr>{rows}</table>"
+    return (
+        "<table><tr><th>t (s)</th><th>source</th><th>reason</th><th>message</th><th>on</th><th>count</th></tr>"
+        f"{body}</table>"
+    )
+
+
+def _reform_table(run: RunData) -> str:
+    """The re-form table (``reform_rows``, as ``regroup trace-report`` prints it) as an HTML
+    table: its cells wrap where the page is narrow, nothing is cut."""
+    rows = reform_rows(run)
+    if not rows:
+        return "<p><em>no re-form</em></p>"
+    header, cells = table_rows(rows, run.started_at, resume_split=True, labels=[reform_label(run, r) for r in rows])
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in cells)
+    lost = sum(r.lost_steps for r in rows)
+    return (
+        f'<div class="wide"><table class="reforms"><tr>{head}</tr>{body}</table></div>'
+        f"<p>{html.escape(run.origin.note())}. Steps lost in all: {lost}, as the summary counts them "
+        "(each re-form's from the progress records: the steps trained again after it).</p>"
+    )
 
 
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:14px}
-th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em;overflow-x:auto;font-size:12px}
+th{background:#f3f3f3}.wide{overflow-x:auto;max-width:100%}table.reforms td{font-size:13px;text-align:right}
+pre{background:#f7f7f7;padding:1em;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere}
 img{max-width:100%}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 """
 
@@ -361,7 +426,8 @@ def build_report(runs: list[RunData], path: Path) -> Path:
         (
             f"<p>{len(first.meta.get('nodes', []))} local nodes, job min {first.meta.get('min_nodes')} / max "
             f"{first.meta.get('max_nodes')} nodes, {first.meta.get('nproc_per_node')} rank(s) per node, CPU (gloo). "
-            f"Each rank ran <code>{html.escape(_trainer_text(first))}</code>.</p>"
+            f"Each rank ran <code>{html.escape(_trainer_text(first))}</code>. Times count from "
+            f"{html.escape(first.origin.what)}, as <code>regroup trace-report</code> counts them on this run.</p>"
         ),
         _not_reported_note(runs),
         "<h2>Summary</h2>",
@@ -378,8 +444,10 @@ def build_report(runs: list[RunData], path: Path) -> Path:
     for run in runs:
         if run.spans:
             parts += [
-                f"<h2>Re-form latency per event ({html.escape(run.mode)}, from the re-form traces)</h2>",
-                "<p>Re-forms decided after training started; the job's initial formation is left out. "
+                f"<h2>Re-form latency per event ({html.escape(run.mode)}, from the spans)</h2>",
+                "<p>Every re-form decided after training started (the job's initial formation is left out): "
+                "the controller's, and the worlds the agents formed on their own after a rank crashed "
+                "(<code>crash</code>, read from the trainers' resume). "
                 "<em>mode</em>: whether the workers survived the re-form (<code>in-place</code>) or were "
                 "started again (<code>restart</code>); the columns after <code>resume_s</code> split the "
                 "resume as the trainer's rank 0 measured it.</p>",
@@ -389,8 +457,8 @@ def build_report(runs: list[RunData], path: Path) -> Path:
                     if (missing := [m for m in not_reported(run) if m.startswith(("re-form", "resume split"))])
                     else []
                 ),
-                f"<pre>{html.escape(format_table(run_reforms(run), origin=run.started_at, resume_split=True))}</pre>",
-                *(f"<p><strong>{html.escape(line)}</strong></p>" for line in worker_exit_lines(run_reforms(run))),
+                _reform_table(run),
+                *(f"<p><strong>{html.escape(line)}</strong></p>" for line in worker_exit_lines(reform_rows(run))),
             ]
     parts += [
         "<h2>Per scripted event</h2>",
@@ -459,7 +527,7 @@ def summary_text(runs: list[RunData], report: Path) -> str:
         ("goodput", lambda s: f"{s.goodput:.0%}"),
         ("steps lost, all events", lambda s: str(s.lost_steps)),
         ("steps lost on planned leaves", lambda s: "-" if s.reclaim_lost_steps is None else str(s.reclaim_lost_steps)),
-        ("re-form traces", lambda s: str(s.reforms)),
+        ("re-forms", lambda s: str(s.reforms)),
         ("re-form strategies", strategies_text),
         ("cordoned", lambda s: ",".join(s.cordoned) or "none"),
         ("loss curve continuous", lambda s: "yes" if s.continuous else "NO"),
@@ -467,8 +535,9 @@ def summary_text(runs: list[RunData], report: Path) -> str:
         lines.append(f"  {name:<34}" + "".join(f"{fmt(s):>{width}}" for s in summaries))
     for run in runs:
         if run.spans:
-            reforms = run_reforms(run)
-            lines += ["", f"re-forms ({run.mode}):", format_table(reforms, origin=run.started_at)]
+            reforms = reform_rows(run)
+            labels = [reform_label(run, r) for r in reforms]
+            lines += ["", f"re-forms ({run.mode}):", format_table(reforms, origin=run.origin, labels=labels)]
             lines += worker_exit_lines(reforms)
     lines.append("")
     lines += [throughput_line(run) for run in runs]

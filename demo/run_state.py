@@ -50,12 +50,18 @@ class RunState:
     recent: list[str] = field(default_factory=list)
     gone: set[str] = field(default_factory=set)
 
-    def record(self, source: str, reason: str, message: str, nodes: tuple[str, ...] = (), type_: str = "Normal") -> None:
+    def record(
+        self, source: str, reason: str, message: str, nodes: tuple[str, ...] = (), type_: str = "Normal",
+        at: float | None = None,
+    ) -> None:
+        """Append an event to the run's events file (``at``: a scenario event's scripted time,
+        seconds on the scenario's clock)."""
         now = time.time()
-        append_jsonl(
-            self.layout.events,
-            {"time": now, "source": source, "reason": reason, "message": message, "nodes": list(nodes), "type": type_},
-        )
+        body: dict[str, object] = {"time": now, "source": source, "reason": reason, "message": message,
+                                   "nodes": list(nodes), "type": type_}  # fmt: skip
+        if at is not None:
+            body["at"] = at
+        append_jsonl(self.layout.events, body)
         at = now - (self.started_at or self.launched_at or now)
         self.recent = (self.recent + [f"{at:5.1f}s  {source:<10} {reason}: {message}"])[-6:]
         log.info("event", source=source, reason=reason, message=message, nodes=list(nodes))

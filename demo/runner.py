@@ -175,7 +175,9 @@ async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
         if run.mode in CONTROLLED:
             # The baseline plays at the scripted times: churn does not wait for a job to recover.
             await _wait_settled(run, SETTLE_TIMEOUT)
-        run.record("scenario", event.action, event.describe(), event.nodes, "Warning")
+        # Its scripted time beside the played one: the report places it at the YAML's time
+        # and says so when a settle pushed it back.
+        run.record("scenario", event.action, event.describe(), event.nodes, "Warning", at=event.at.total_seconds())
         for node in event.nodes:
             if event.action == "reclaim":
                 if run.cluster.node(node) is not None:
@@ -324,7 +326,7 @@ async def _controller(cluster: LocalCluster, etcd: EtcdSettings, ready: asyncio.
 
 def _latest_checkpoint(root: Path) -> int | None:
     # Imported here: it brings torch, which only the end of a run needs.
-    from regroup.trainer.checkpoint_folders import latest_committed
+    from regroup.elastic.checkpoint.folders import latest_committed
 
     return latest_committed(root) if root.is_dir() else None
 
@@ -400,7 +402,7 @@ async def run_scenario(
                     raise
                 raise TimeoutError(
                     f"{exc}: no progress record in etcd; a script must publish progress through "
-                    f"regroup.trainer.elastic (see docs/demo.md, 'Your own script'); its output is in {layout.logs}"
+                    f"regroup.elastic (see docs/demo.md, 'Your own script'); its output is in {layout.logs}"
                 ) from None
             run.trained_at = time.time()
             for node in spares:

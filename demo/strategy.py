@@ -79,7 +79,11 @@ def plan_strategy(body: dict[str, Any]) -> Strategy | None:
 
 
 def reform_strategy(reform: Reform, plans_by_trace: dict[str, dict[str, Any]]) -> Strategy | None:
-    """The strategy of one re-form trace: its root span's attributes, else its plan's."""
+    """The strategy of one re-form trace: its root span's attributes, else its plan's (none
+    for a world the agents formed on their own: it has no plan, and shares a trace with the
+    re-form before it)."""
+    if not reform.asked:
+        return None
     from_span = _strategy(reform.attributes.get(STRATEGY_ATTR), reform.attributes.get(REPLACED_ATTR))
     if from_span is not None:
         return from_span

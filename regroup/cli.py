@@ -14,10 +14,11 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("regroup.controller.main", "run the elastic controller against a Kubernetes API and etcd"),
     "status": ("regroup.controller.status", "show a job's world size, members, progress and last re-form"),
+    "etcd-auth": ("regroup.controller.etcd_auth", "etcd authentication for regroup: bootstrap root and the controller's user"),
     "demo": ("regroup.demo.main", "run the whole loop locally: etcd, agents, trainers, controller, churn"),
     "trace-report": ("regroup.trace_report", "re-form latency table from exported spans (OTLP JSON lines)"),
-    "whatif": ("regroup.whatif.command", "expected goodput under a churn rate, four ways; min/max and checkpoint interval"),
-    "smoke": ("regroup.trainer.smoke", "all-reduce + matmul smoke check: bus bandwidth, TFLOP/s and MFU"),
+    "whatif": ("regroup.whatif.command", "expected goodput under a churn rate, three ways (four with spares); min/max and checkpoint interval"),
+    "smoke": ("regroup.elastic.smoke", "all-reduce + matmul smoke check: bus bandwidth, TFLOP/s and MFU"),
 }
 
 

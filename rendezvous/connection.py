@@ -40,19 +40,31 @@ class JobConnection:
         """Connect (retrying with backoff for up to ``timeout`` seconds) and start the mirror.
 
         Raises ``RendezvousConnectionError`` naming the endpoints: at once for rejected
-        credentials or a TLS mismatch, after ``timeout`` when etcd stays unreachable.
+        credentials or a TLS mismatch, after ``timeout`` when etcd stays unreachable or keeps
+        denying this identity the job's keys (the controller grants a job's role once it sees
+        the job, which may be after this agent started: until then the listing is retried).
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         client = await connect_with_retry(settings, timeout)
         watch = JobWatch(client, keys)
+        backoff = 0.1
         try:
-            await watch.start()
-        except etcd.UnauthenticatedError as exc:
-            await client.close()
-            raise RendezvousConnectionError(_auth_message(settings, exc)) from exc
+            while True:
+                try:
+                    await watch.start()
+                    return cls(client, watch, settings)
+                except etcd.UnauthenticatedError as exc:
+                    raise RendezvousConnectionError(_auth_message(settings, exc)) from exc
+                except etcd.PermissionDenied as exc:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise RendezvousConnectionError(_denied_message(settings, exc, timeout)) from exc
+                await asyncio.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, 2.0)
         except BaseException:
             await client.close()
             raise
-        return cls(client, watch, settings)
 
     async def close(self) -> None:
         await self.watch.stop()
@@ -84,6 +96,14 @@ class Shared:
         except (TimeoutError, *etcd.TRANSIENT_ERRORS) as exc:
             log.info("etcd connection not closed cleanly; dropping it", error=str(exc))
         self.loop.close()
+
+
+def _denied_message(settings: etcd.EtcdSettings, exc: Exception, timeout: float) -> str:
+    return (
+        f"etcd at {settings.describe()} kept denying this agent the job's keys for {timeout:g}s: {exc}. A job's "
+        "workers need the job's etcd role (the controller run with --etcd-job-identities grants it to the user "
+        "regroup:job:<namespace>:<job>, the CN of the client certificate set in rdzv-conf cert/key)"
+    )
 
 
 def _auth_message(settings: etcd.EtcdSettings, exc: Exception) -> str:

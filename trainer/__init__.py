@@ -1,17 +1,12 @@
-"""regroup's FSDP2 trainer: survives resizes with reshardable checkpoints.
+"""regroup's built-in trainer: a Llama-style decoder under FSDP2, trained on the public API
+(``regroup.elastic``) like any user's script.
 
-- ``config``: the settings tree; ``config_loading`` builds it once from YAML/JSON, env and
-  ``--set``, converting values by type (``config_parsing``).
-- ``model``: the Llama-style decoder; ``distributed``: process groups and FSDP2 sharding.
-- ``data`` and ``batching``: samples by global index; a constant global batch split per world.
-- ``checkpoint``: committed, reshardable DCP checkpoints (``checkpoint_folders``: the
-  ``step-N`` folders, their marker and retention; ``app_state``: what is saved;
-  ``host_copy``: the async save's copy to host memory); ``schedule``: the learning rate.
-- ``snapshot``: in-memory snapshots (``snapshot_layout``, ``snapshot_cost``); ``reshard``
-  and ``handoff``: state rebuilt in memory for a new world.
-- ``boundary``: the per-step agreement; ``control``: etcd requests, acks and progress.
-- ``stopping``: prompt stops on SIGTERM; ``loop``: the training run, with ``progress``,
-  ``checkpoint_requests`` and ``inplace_reform``; ``__main__``: the CLI.
+- ``config``: its settings tree (the run's sections are ``regroup.elastic.settings``'s);
+  ``config_loading`` builds it once from YAML/JSON, env and ``--set``.
+- ``model``: the decoder; ``sharding``: FSDP2 over the world's mesh; ``data``: token
+  sources where sample ``i`` depends on ``i`` only; ``schedule``: the learning rate.
+- ``loop``: the training run on ``regroup.elastic``; ``__main__``: the CLI.
+- ``elastic``: the public API's earlier import path, kept for one release.
 """
 
 if __name__ != "regroup.trainer":  # the folder imported by its own name, e.g. from the repository root

@@ -1,7 +1,7 @@
 """``torchrun ... -m regroup.trainer --config train.yaml [--set a.b=value ...]`` (or ``regroup-train``).
 
 The edge of the trainer: reads argv and the environment once, configures logs and
-traces, and runs one ``TrainingRun`` (the built-in trainer on ``regroup.trainer.elastic``). Exits 0 when max_steps is reached, 128+signal
+traces, and runs one ``TrainingRun`` (the built-in trainer on ``regroup.elastic``). Exits 0 when max_steps is reached, 128+signal
 when stopped, 2 on a bad configuration, 1 on any other failure.
 """
 
@@ -15,10 +15,10 @@ import structlog
 
 from regroup.failures import failure_kind, record_failure
 from regroup.telemetry import LineAtomicStderr, configure_logging
-from regroup.trainer.batching import BatchSplitError
-from regroup.trainer.config import ConfigError
+from regroup.elastic.world.batching import BatchSplitError
+from regroup.elastic.settings import ConfigError
 from regroup.trainer.config_loading import load_config
-from regroup.trainer.stopping import hard_exit
+from regroup.elastic.world.stopping import hard_exit
 
 log = structlog.get_logger("regroup.trainer")
 

@@ -1,5 +1,5 @@
 """The built-in trainer's loop: a Llama-style decoder, FSDP2, AdamW with a cosine schedule,
-on the public API (``regroup.trainer.elastic``) like any user's script.
+on the public API (``regroup.elastic``) like any user's script.
 
 Everything elastic (the world and its re-forms, the step boundary, checkpoint requests,
 snapshots, progress, the sample order) is the API's; this module holds only what makes the
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from regroup.trainer import elastic
+from regroup import elastic
 from regroup.trainer.config import TrainConfig
 from regroup.trainer.data import batch, make_source
-from regroup.trainer.distributed import build_sharded_model
+from regroup.trainer.sharding import build_sharded_model
 from regroup.trainer.schedule import lr_at
 
 
@@ -23,7 +23,7 @@ class TrainingRun:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.options = elastic.Options.from_config(cfg)
+        self.options = options_for(cfg)
         self.source = make_source(cfg.data, cfg.model)
 
     def train(self) -> int:
@@ -64,3 +64,22 @@ class TrainingRun:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step.report(total, tokens=tokens * step.accumulation)
+
+
+def options_for(cfg: TrainConfig) -> elastic.Options:
+    """The run's settings, taken from the trainer's config."""
+    return elastic.Options(
+        global_batch=cfg.batch.global_batch_size,
+        max_steps=cfg.max_steps,
+        max_micro_batch=cfg.batch.max_micro_batch_size,
+        checkpoint=cfg.checkpoint,
+        etcd=cfg.etcd,
+        reform=cfg.reform,
+        snapshot=cfg.snapshot,
+        sample_log=cfg.data.sample_log,
+        device=cfg.device,
+        step_time_floor=cfg.step_time_floor,
+        log_every=cfg.log_every,
+        seed=cfg.seed,
+        faults=cfg.faults,
+    )

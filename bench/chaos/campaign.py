@@ -33,8 +33,8 @@ from bench.chaos.job import GLOBAL_BATCH, ChaosJob, JobShape, Shutdown
 from bench.chaos.observe import Finding
 from bench.chaos.plan import CONTROLLER_KILL, KINDS, Fault, draw_plan
 from regroup.demo.nodes import RunLayout
+from regroup.elastic.checkpoint.folders import list_steps
 from regroup.records import ReformPhase
-from regroup.trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
 

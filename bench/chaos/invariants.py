@@ -251,7 +251,7 @@ def load_committed(root: Path, moment: float) -> list[Finding]:
     from torch import load
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from regroup.trainer.checkpoint_folders import list_steps, step_dir
+    from regroup.elastic.checkpoint.folders import list_steps, step_dir
 
     committed = [step for step, ok in list_steps(root) if ok]
     if not committed:

@@ -19,13 +19,13 @@ import structlog
 import torch.distributed.checkpoint  # noqa: F401 - torch takes seconds to import: before any event loop runs
 
 from regroup.demo.local_cluster import LocalCluster
-from regroup.demo.processes import process_tree
 from regroup.demo.nodes import RunLayout
+from regroup.demo.processes import process_tree
 from regroup.demo.recorder import JobRecorder
+from regroup.elastic.checkpoint.folders import list_steps
 from regroup.etcd import EtcdSettings
 from regroup.keys import JobKey, JobKeys, KeyKind
 from regroup.records import CheckpointAck, JoinRecord, Progress, ReformPhase, RoundState
-from regroup.trainer.checkpoint_folders import list_steps
 
 log = structlog.get_logger("bench.chaos")
 

@@ -4,8 +4,8 @@ machine, where seconds are neither.
 
 Seconds on the shared VMs this benchmark runs on move by a third between runs of the same
 code, and by several times between VMs: the stand-in-only anchor, the same code on each,
-decoded 156,500, 80,400 and 26,500-49,500 events per CPU-second on the three VMs of
-docs/benchmarks.md, the last within one hour. A change to the controller is compared
+decoded from 26,500 to 156,500 events per CPU-second on three VMs this benchmark was
+run on, by 2x on one VM within one hour. A change to the controller is compared
 by its count here; a machine's speed on this very work is the count divided by the same
 window's CPU time natively (``instructions_per_us``), which turns a count into seconds.
 

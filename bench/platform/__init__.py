@@ -1,4 +1,4 @@
-"""``python -m bench platform [--quick] [--jobs 10,50,200] [--agents 16]``: how many jobs one etcd member serves.
+"""``python -m bench platform [--quick] [--jobs 10,50,200] [--agents 16] [--auth off|on|both]``: how many jobs one etcd member serves.
 
 Every job's membership, rounds, plans, acks and progress live in one etcd. For each size,
 on a fresh platform: one etcd (``--enable-pprof``), the controller in a process of its own
@@ -12,6 +12,14 @@ background jobs at a stated rate per job (``churn``) while the probe job is re-f
 and again and timed (``probe``); the probe alone, on its own platform, runs first and
 anchors the ratios. At the end every job ends and the benchmark checks that the ended jobs'
 prefixes are empty and the lease count is back to its start (``size_run``).
+
+Each size runs with etcd authentication off, then on (``--auth both``, the default), each
+on a fresh platform, so both see the machine as it is then. On is production's setting of
+one identity per job (``etcd_auth``): etcd serves TLS with ``--client-cert-auth``, auth is
+bootstrapped by ``regroup etcd-auth bootstrap``, the controller presents its certificate
+and runs with ``--etcd-job-identities`` (making each job's user and role, and removing them
+at its clean-up), and each job's agents and rank 0 present the job's own certificate. The
+end check then also asks that no ended job's user or role is left.
 
 What the harness hides, and which way it leans:
 

@@ -23,6 +23,20 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class JobTls:
+    """The files a job's workers present to an etcd with authentication on: the CA, and the
+    job's own client certificate (CN ``regroup:job:<namespace>:<job>``, its etcd user)."""
+
+    cacert: str
+    cert: str
+    key: str
+
+    def rdzv_conf(self) -> dict[str, str]:
+        """The agents' ``--rdzv-conf`` TLS keys (the ``etcd-v3`` handler's ``cacert``, ``cert``, ``key``)."""
+        return {"cacert": self.cacert, "cert": self.cert, "key": self.key}
+
+
+@dataclass(frozen=True)
 class JobPlacement:
     """A job and where its pods run."""
 
@@ -32,6 +46,12 @@ class JobPlacement:
     max_nodes: int
     pods: tuple[tuple[str, str], ...]
     """(node, pod) of each member."""
+    tls: JobTls | None = None
+    """The job's certificate, with authentication on (None: plain HTTP, no identity)."""
+
+    def rdzv_conf(self, timing: Timing) -> dict[str, str]:
+        """The agents' whole ``--rdzv-conf``: ``timing``'s, and the job's certificate if it has one."""
+        return timing.conf() | (self.tls.rdzv_conf() if self.tls is not None else {})
 
 
 def identity(namespace: str, node: str, pod: str) -> dict[str, str]:

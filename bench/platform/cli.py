@@ -58,6 +58,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="seconds the controller keeps an ended job's keys (its --retention; default 10)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=20,
                         help="seconds of CPU profile of etcd, the controller and an agent host per size (0: none)")  # fmt: skip
+    parser.add_argument("--auth", choices=AUTH_MODES, default="both",
+                        help="etcd authentication: off (plain HTTP), on (TLS, client certificates, one etcd identity "
+                             "per job, made by the controller) or both, each size off then on, each on a fresh "
+                             "platform (default both)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("out"), help="folder for the run folder (default: out)")
     parser.add_argument("--name", help="run folder name (default: platform-<time>)")
@@ -81,7 +85,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _settings(args: argparse.Namespace, jobs: int, root: Path) -> SizeSettings:
+AUTH_MODES = ("off", "on", "both")
+
+
+def modes(auth: str) -> list[str]:
+    """The modes ``--auth`` runs, in the order each size runs them."""
+    return ["off", "on"] if auth == "both" else [auth]
+
+
+def _settings(args: argparse.Namespace, jobs: int, root: Path, auth: bool = False) -> SizeSettings:
     return SizeSettings(
         jobs=jobs,
         agents=args.agents,
@@ -99,6 +111,7 @@ def _settings(args: argparse.Namespace, jobs: int, root: Path) -> SizeSettings:
         profile_s=args.profile,
         seed=args.seed,
         root=root,
+        auth=auth,
     )
 
 
@@ -108,20 +121,28 @@ def _etcd_version() -> str:
 
 
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """Every size in one invocation, the probe alone first; the results as ``platform.json`` holds them."""
+    """Every size in one invocation, the probe alone first, each size in each ``--auth`` mode
+    in turn (both modes see the machine as it is then); the results as ``platform.json``
+    holds them. A mode that fails at a size runs no larger size; the other goes on."""
     sizes = []
-    failed = None
+    failed = []
+    running = modes(args.auth)
     for jobs in [0, *args.jobs]:
-        started = time.monotonic()
-        try:
-            result = asyncio.run(run_size(_settings(args, jobs, root / (f"j{jobs}" if jobs else "alone"))))
-        except Exception as exc:  # noqa: BLE001 - the sizes measured so far are still reported
-            failed = {"jobs": jobs, "after_s": round(time.monotonic() - started, 1), "error": f"{type(exc).__name__}: {exc}"}
-            print(f"  {jobs} jobs: failed after {failed['after_s']:.0f} s: {failed['error']}", flush=True)
-            break
-        result["wall_s"] = round(time.monotonic() - started, 1)
-        sizes.append(result)
-        print(f"  {jobs} jobs: {result['wall_s']:.0f} s", flush=True)
+        for mode in list(running):
+            started = time.monotonic()
+            label = f"{jobs} jobs, auth {mode}"
+            folder = root / f"{f'j{jobs}' if jobs else 'alone'}-auth-{mode}"
+            try:
+                result = asyncio.run(run_size(_settings(args, jobs, folder, auth=mode == "on")))
+            except Exception as exc:  # noqa: BLE001 - the sizes measured so far are still reported
+                after = round(time.monotonic() - started, 1)
+                failed.append({"jobs": jobs, "auth": mode, "after_s": after, "error": f"{type(exc).__name__}: {exc}"})
+                print(f"  {label}: failed after {after:.0f} s: {failed[-1]['error']}", flush=True)
+                running.remove(mode)
+                continue
+            result["wall_s"] = round(time.monotonic() - started, 1)
+            sizes.append(result)
+            print(f"  {label}: {result['wall_s']:.0f} s", flush=True)
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
         "cpus": os.cpu_count() or 1,
@@ -133,6 +154,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "step_time_s": args.step_time,
         "progress_interval_s": args.progress_interval,
         "lease_ttl_s": args.lease_ttl,
+        "auth": args.auth,
         "py_spy": py_spy() is not None,
         "sizes": sizes,
         "failed": failed,
@@ -150,10 +172,12 @@ def main(argv: list[str]) -> int:
 
     with open(root / "bench.log", "a") as log:
         configure_logging("error", stream=log)
-        print(f"bench platform: the probe alone, then {args.jobs} jobs of {args.agents} agents, in {root}", flush=True)
+        print(f"bench platform: the probe alone, then {args.jobs} jobs of {args.agents} agents, etcd auth "
+              f"{' then '.join(modes(args.auth))} at each, in {root}", flush=True)  # fmt: skip
         results = run(args, root)
     if not results["sizes"]:
-        print(f"bench platform: not even the probe alone ran: {results['failed']['error']}", file=sys.stderr)
+        errors = "; ".join(f"auth {f['auth']}: {f['error']}" for f in results["failed"])
+        print(f"bench platform: not even the probe alone ran: {errors}", file=sys.stderr)
         return 1
     text = render(results)
     (root / "platform.md").write_text(text + "\n")

@@ -1,7 +1,8 @@
 """The controller, in a process of its own: ``regroup controller --no-leader-election``, the
 command a cluster runs (the Kubernetes list+watch source and actuator over HTTP,
 ``run_controller`` with its etcd mirror and writes, ``/metrics`` and the probes, structlog and
-the tracer provider), with production defaults but the benchmark's ``--retention``. Its own
+the tracer provider), with production defaults but the benchmark's ``--retention`` (and,
+with authentication on, its certificate and ``--etcd-job-identities``). Its own
 process gives it its own CPU time and RSS in ``/proc``, and a pid to profile.
 ``ControllerProcess`` is the benchmark's handle on it.
 """
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,14 +38,19 @@ def _ready(port: int) -> bool:
 class ControllerProcess:
     """``await start()``: the process runs and says it is ready (``/readyz``); ``await stop()``: SIGTERM."""
 
-    def __init__(self, kubeconfig: Path, etcd_endpoint: str, retention: timedelta, log: Path) -> None:
+    def __init__(
+        self, kubeconfig: Path, etcd_endpoint: str, retention: timedelta, log: Path, etcd_flags: Sequence[str] = ()
+    ) -> None:
+        """``etcd_flags``: more of the command's etcd flags (with authentication on, its
+        certificate and ``--etcd-job-identities``)."""
         from regroup.ports import free_port
 
         self.port = free_port()
         self.log = log
         self.command = [
             sys.executable, "-m", "regroup.cli", "controller", "--no-leader-election", "--kubeconfig", str(kubeconfig),
-            "--etcd", etcd_endpoint, "--http-port", str(self.port), "--retention", f"{retention.total_seconds():g}s",
+            "--etcd", etcd_endpoint, *etcd_flags, "--http-port", str(self.port),
+            "--retention", f"{retention.total_seconds():g}s",
         ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -54,7 +54,7 @@ class JobAgents:
         self.fleet: Fleet | None = None
         self.rank_zero = RankZero(
             endpoint, placement.namespace, placement.job, timing.step_time, timing.progress_interval,
-            on_resumed=lambda round_: report(("resumed", placement.job, round_, time.time())),
+            on_resumed=lambda round_: report(("resumed", placement.job, round_, time.time())), tls=placement.tls,
         )  # fmt: skip
 
     def start(self) -> None:
@@ -62,7 +62,7 @@ class JobAgents:
         identities = [identity(p.namespace, node, pod) for node, pod in p.pods]
         self.fleet = Fleet(
             "etcd-v3", len(identities), p.job, {"etcd-v3": self._endpoint}, (p.min_nodes, p.max_nodes), fast=False,
-            conf=self._timing.conf(), identities=identities,
+            conf=p.rdzv_conf(self._timing), identities=identities,
         )  # fmt: skip
         self.rank_zero.start()
         for index in range(len(identities)):

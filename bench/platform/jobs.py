@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from bench.platform.agent_host import AgentHost
-from bench.platform.agent_specs import JobPlacement
+from bench.platform.agent_specs import JobPlacement, JobTls
 from kubeapi import objects
 from kubeapi.server import FakeKubeAPI
 
@@ -94,9 +94,13 @@ class Job:
 class Jobs:
     """Every job of the run; each method is one change, made in the cluster and the agents."""
 
-    def __init__(self, api: FakeKubeAPI, annotations: dict[str, str]) -> None:
+    def __init__(
+        self, api: FakeKubeAPI, annotations: dict[str, str], tls: Callable[[str, str], JobTls] | None = None
+    ) -> None:
+        """``tls(namespace, job)``: the job's certificate, with authentication on."""
         self.api = api
         self.annotations = annotations
+        self.tls = tls
         self.all: dict[str, Job] = {}
 
     @staticmethod
@@ -113,10 +117,12 @@ class Jobs:
         return node, pod
 
     def start(self, name: str, host: AgentHost, nodes: int, min_nodes: int) -> Job:
-        """Nodes and pods in the cluster, then the agents and rank 0 in ``host``."""
+        """Nodes and pods in the cluster, then the agents and rank 0 in ``host`` (with the
+        job's certificate, when auth is on: issued here the first time, in milliseconds)."""
         job = self.all[name] = Job(name, host, min_nodes, nodes)
         pods = tuple(self._add_node(job) for _ in range(nodes))
-        host.send("start", JobPlacement(NAMESPACE, name, min_nodes, nodes, pods))
+        tls = self.tls(NAMESPACE, name) if self.tls is not None else None
+        host.send("start", JobPlacement(NAMESPACE, name, min_nodes, nodes, pods, tls))
         return job
 
     def kill(self, job: Job, node: str) -> None:

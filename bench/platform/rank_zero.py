@@ -4,7 +4,7 @@ The trainer's own etcd side does the work: ``JobChannel`` (it imports no torch) 
 ``control/checkpoint`` and ``control/reform``, writes ``progress`` and the acks, and
 ``pending_generation`` decides which request a step boundary answers. What is left out is
 the model: a step is ``step_time`` of waiting, the loss a constant. The records and their
-rhythm are the trainer's (``regroup.trainer.progress``): progress every
+rhythm are the trainer's (``regroup.elastic.world.progress``): progress every
 ``progress_interval``, at once after the first step of a new world, and a last one when
 the run ends; an ack, from memory as an in-place re-form gives it, at the first step
 boundary after a request, and with ``hold`` no step after it until the re-form (or the
@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from bench.platform.agent_specs import JobTls
+from regroup.elastic.checkpoint.folders import checkpoint_id
+from regroup.elastic.settings import EtcdConfig
+from regroup.elastic.world.control import JobChannel, pending_generation
 from regroup.records import CheckpointAck, Progress
-from regroup.trainer.checkpoint_folders import checkpoint_id
-from regroup.trainer.config import EtcdConfig
-from regroup.trainer.control import JobChannel, pending_generation
 
 GLOBAL_BATCH = 64
 """Samples per step, for ``samples_seen``: the record's size is what matters to etcd."""
@@ -32,11 +33,13 @@ class RankZero:
 
     def __init__(
         self, endpoint: str, namespace: str, job: str, step_time: timedelta, progress_interval: timedelta,
-        on_resumed: Callable[[int], None],
+        on_resumed: Callable[[int], None], tls: JobTls | None = None,
     ) -> None:
-        """``on_resumed(round)``: the first step of a new world was published."""
+        """``on_resumed(round)``: the first step of a new world was published. ``tls``: the
+        job's certificate, which the trainer's channel presents as the agents do."""
+        files = {"cacert": tls.cacert, "cert": tls.cert, "key": tls.key} if tls is not None else {}
         self.channel = JobChannel(
-            EtcdConfig(endpoint=endpoint, job=job, namespace=namespace, progress_interval=progress_interval)
+            EtcdConfig(endpoint=endpoint, job=job, namespace=namespace, progress_interval=progress_interval, **files)
         )
         self._step_s = step_time.total_seconds()
         self._interval_s = progress_interval.total_seconds()

@@ -1,10 +1,11 @@
 """The run's tables (stdout and ``platform.md``) and its numbers (``platform.json``).
 
-The first size is the probe job alone: the anchor every latency ratio divides by. A
-background job's cost is what its size adds to the anchor's, divided by its jobs. Where it
-bends is the first size whose etcd or controller CPU per background job is more than
-``BEND`` times that of the smallest loaded size, or whose probe p50 is more than ``BEND``
-times the probe's alone.
+The first size of each etcd auth mode is the probe job alone: the anchor every latency ratio
+of that mode divides by. A background job's cost is what its size adds to its mode's anchor,
+divided by its jobs; with both modes, the per-job table sets auth off and on side by side
+and divides on by off. Where it bends, per mode, is the first size whose etcd or controller
+CPU per background job is more than ``BEND`` times that of the smallest loaded size, or
+whose probe p50 is more than ``BEND`` times the probe's alone.
 """
 
 from __future__ import annotations
@@ -54,8 +55,22 @@ def _rate(*names: str) -> Callable[[dict[str, Any]], float]:
     return lambda size: sum(size["rates"][n] for n in names)
 
 
+def _ratio_of(on: float | None, off: float | None) -> float | None:
+    return on / off if on is not None and off and off > 0 else None
+
+
+def _label(size: dict[str, Any]) -> str:
+    return f"{size['jobs']} jobs, auth {size['auth']}"
+
+
+def of_mode(sizes: Sequence[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """The sizes of one auth mode, the probe alone first."""
+    return [s for s in sizes if s["auth"] == mode]
+
+
 def bend(sizes: Sequence[dict[str, Any]]) -> str:
-    """Where the platform stops scaling linearly, by the rule in the module docstring."""
+    """Where the platform stops scaling linearly, by the rule in the module docstring (the
+    sizes of one auth mode, the probe alone first)."""
     alone, loaded = sizes[0], [s for s in sizes[1:] if s["jobs"] > 0]
     if not loaded:
         return "no loaded size: nothing to compare"
@@ -75,10 +90,71 @@ def bend(sizes: Sequence[dict[str, Any]]) -> str:
     return f"linear up to {loaded[-1]['jobs']} jobs (per-job CPU within {BEND}× that at {base['jobs']} jobs, probe p50s within {BEND}× alone)"
 
 
+PER_JOB = {
+    "etcd CPU ms/s": _cpu_ms("etcd"),
+    "controller CPU ms/s": _cpu_ms("controller"),
+    "puts+deletes/s": _rate("etcd_mvcc_put_total", "etcd_mvcc_delete_total"),
+    "watch events/s": _rate("etcd_debugging_mvcc_events_total"),
+    "lease renewals/s": _rate("etcd_debugging_lease_renewed_total"),
+}
+"""What each background job adds, by column."""
+SIDE_BY_SIDE = ("etcd CPU ms/s", "controller CPU ms/s")
+"""With both auth modes, the columns shown off, on and on/off."""
+
+
+def per_job(sizes: Sequence[dict[str, Any]]) -> dict[tuple[int, str], dict[str, float]]:
+    """(jobs, auth) -> what each background job adds over its mode's probe alone, by ``PER_JOB`` column."""
+    out = {}
+    for mode in ("off", "on"):
+        mine = of_mode(sizes, mode)
+        if not mine or mine[0]["jobs"] != 0:
+            continue
+        alone = mine[0]
+        for size in mine[1:]:
+            out[(size["jobs"], mode)] = {name: _per_job(size, alone, f) for name, f in PER_JOB.items()}
+    return out
+
+
+def _per_job_lines(sizes: Sequence[dict[str, Any]]) -> list[str]:
+    costs = per_job(sizes)
+    both = {mode for _, mode in costs} == {"off", "on"}
+    lines = ["", "## per background job (what each adds over the probe alone of its auth mode)", ""]
+    if not both:
+        lines += ["| jobs | auth | " + " | ".join(PER_JOB) + " |", "|---|---|" + "---|" * len(PER_JOB)]
+        for (jobs, mode), cells in costs.items():
+            lines.append(f"| {jobs} | {mode} | " + " | ".join(f"{c:.2f}" for c in cells.values()) + " |")
+        return lines
+    rest = [name for name in PER_JOB if name not in SIDE_BY_SIDE]
+    head = "".join(f"| {name} off | on | on/off " for name in SIDE_BY_SIDE) + "".join(f"| {n} off / on " for n in rest)
+    lines += [f"| jobs {head}|", "|---|" + "---|" * (3 * len(SIDE_BY_SIDE) + len(rest))]
+    for jobs in sorted({jobs for jobs, _ in costs}):
+        off, on = costs.get((jobs, "off")), costs.get((jobs, "on"))
+
+        def cell(side: dict[str, float] | None, name: str) -> str:
+            return "-" if side is None else f"{side[name]:.2f}"
+
+        row = f"| {jobs} "
+        for name in SIDE_BY_SIDE:
+            ratio = _ratio_of(on[name] if on else None, off[name] if off else None)
+            row += f"| {cell(off, name)} | {cell(on, name)} | {_x(ratio)} "
+        row += "".join(f"| {cell(off, n)} / {cell(on, n)} " for n in rest)
+        lines.append(row + "|")
+    return lines
+
+
+def _identities(end: dict[str, Any]) -> str:
+    left = end.get("identities_left")
+    if left is None:
+        return "-"
+    return f"{len(left['users'])} / {len(left['roles'])}"
+
+
 def render(run: dict[str, Any]) -> str:
     sizes = run["sizes"]
-    alone = sizes[0]
-    hosts = ", ".join(f"{s['jobs']} jobs: {s['processes']['agent_hosts']['count']}" for s in sizes[1:])
+    alones = {s["auth"]: s for s in sizes if s["jobs"] == 0}
+    counts = {s["jobs"]: s["processes"]["agent_hosts"]["count"] for s in sizes if s["jobs"]}
+    hosts = ", ".join(f"{jobs} jobs: {n}" for jobs, n in sorted(counts.items()))
+    order = " then ".join(dict.fromkeys(s["auth"] for s in sizes))
     lines = [
         f"# bench platform: jobs of {run['agents_per_job']} agents, churn {run['churn_per_job_min']:g} events "
         "per job per minute",
@@ -89,17 +165,20 @@ def render(run: dict[str, Any]) -> str:
         "for the probe",
         f"rows: the probe job alone (the anchor), then J background jobs beside it; window = the probe's "
         f"{run['probe_cycles']} reclaim + {run['probe_cycles']} loss cycles, each followed by a grow",
+        "etcd auth: off = plain HTTP, no users; on = TLS with --client-cert-auth, the controller's certificate "
+        f"(--etcd-job-identities) and one certificate, user and role per job; each size ran {order}, each on a "
+        "fresh platform",
         "",
         "## etcd",
         "",
-        "| jobs | agents | window | puts/s | deletes/s | txns/s | watch events/s | lease renewals/s | leases | watchers "
-        "| keys | CPU (cores) | RSS (peak) | DB before → after compact+defrag |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| jobs | auth | agents | window | puts/s | deletes/s | txns/s | watch events/s | lease renewals/s | leases "
+        "| watchers | keys | CPU (cores) | RSS (peak) | DB before → after compact+defrag |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sizes:
         r, g, e, end = s["rates"], s["gauges"], s["processes"]["etcd"], s["end"]
         lines.append(
-            f"| {s['jobs']} | {(s['jobs'] + 1) * s['agents_per_job']} | {s['window_s']:.0f} s "
+            f"| {s['jobs']} | {s['auth']} | {(s['jobs'] + 1) * s['agents_per_job']} | {s['window_s']:.0f} s "
             f"| {r['etcd_mvcc_put_total']:.1f} | {r['etcd_mvcc_delete_total']:.1f} | {r['etcd_mvcc_txn_total']:.1f} "
             f"| {r['etcd_debugging_mvcc_events_total']:.1f} | {r['etcd_debugging_lease_renewed_total']:.1f} "
             f"| {s['leases']} | {g['etcd_debugging_mvcc_watcher_total']:.0f} | {g['etcd_debugging_mvcc_keys_total']:.0f} "
@@ -109,57 +188,52 @@ def render(run: dict[str, Any]) -> str:
     lines += ["", "gRPC calls (streams) started per second, by method:", ""]
     for s in sizes:
         calls = sorted(s["grpc_per_s"].items(), key=lambda kv: -kv[1])
-        lines.append(f"- {s['jobs']} jobs: " + ", ".join(f"{m} {v:.1f}" for m, v in calls))
+        lines.append(f"- {_label(s)}: " + ", ".join(f"{m} {v:.1f}" for m, v in calls))
     lines += [
         "",
-        "## controller and probe job (re-form latency p50 / p99; ratio = p50 / p50 alone)",
+        "## controller and probe job (re-form latency p50 / p99; ratio = p50 / p50 alone, same auth)",
         "",
-        "| jobs | controller CPU (cores) | controller RSS (peak) | agent hosts CPU | bench CPU | load before "
+        "| jobs | auth | controller CPU (cores) | controller RSS (peak) | agent hosts CPU | bench CPU | load before "
         "| reclaim | × | loss | × | grow | × |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sizes:
         p = s["processes"]
         c = p["controller"]
         host_cpu = p["agent_hosts"]["cpu_cores"] + p["probe_host"]["cpu_cores"]
+        alone = alones.get(s["auth"], s)
         lines.append(
-            f"| {s['jobs']} | {c['cpu_cores']:.3f} | {c['rss_mb']:.0f} MB ({c['peak_rss_mb']:.0f}) | {host_cpu:.2f} "
-            f"| {p['bench']['cpu_cores']:.2f} | {s['load_before']:.1f} "
+            f"| {s['jobs']} | {s['auth']} | {c['cpu_cores']:.3f} | {c['rss_mb']:.0f} MB ({c['peak_rss_mb']:.0f}) "
+            f"| {host_cpu:.2f} | {p['bench']['cpu_cores']:.2f} | {s['load_before']:.1f} "
             + "".join(f"| {_latency(s, k)} | {_x(_ratio(s, alone, k))} " for k in KINDS)
             + "|"
         )
+    lines += _per_job_lines(sizes)
+    lines.append("")
+    for mode in ("off", "on"):
+        mine = of_mode(sizes, mode)
+        if mine and mine[0]["jobs"] == 0:
+            lines.append(f"Where it bends, auth {mode}: {bend(mine)}.")
+    lines += [*_saturated(run), "", "## nothing left behind (after every job ended)", ""]
     lines += [
-        "",
-        "## per background job (what each adds over the probe alone)",
-        "",
-        "| jobs | etcd CPU ms/s | controller CPU ms/s | puts+deletes/s | watch events/s | lease renewals/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in sizes[1:]:
-        cells = [
-            _per_job(s, alone, f)
-            for f in (_cpu_ms("etcd"), _cpu_ms("controller"), _rate("etcd_mvcc_put_total", "etcd_mvcc_delete_total"),
-                      _rate("etcd_debugging_mvcc_events_total"), _rate("etcd_debugging_lease_renewed_total"))
-        ]  # fmt: skip
-        lines.append(f"| {s['jobs']} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    lines += ["", f"Where it bends: {bend(sizes)}.", *_saturated(run), "", "## nothing left behind (after every job ended)", ""]
-    lines += [
-        "| jobs | ended jobs | jobs with keys left | keys left | kinds of keys left | tombstones | leases start → end | retention |",
-        "|---|---|---|---|---|---|---|---|",
+        "| jobs | auth | ended jobs | jobs with keys left | keys left | kinds of keys left | tombstones "
+        "| leases start → end | job users / roles left | retention |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sizes:
         end = s["end"]
         kinds = ", ".join(f"{k} {n}" for k, n in end["key_kinds"].items()) or "none"
         retention = f"{end['retention_s']:g} s"
         lines.append(
-            f"| {s['jobs']} | {end['ended_jobs']} | {end['jobs_with_keys']} | {end['keys_left']} | {kinds} "
-            f"| {end['tombstones']} | {end['leases_start']} → {end['leases_end']} | {retention} |"
+            f"| {s['jobs']} | {s['auth']} | {end['ended_jobs']} | {end['jobs_with_keys']} | {end['keys_left']} "
+            f"| {kinds} | {end['tombstones']} | {end['leases_start']} → {end['leases_end']} | {_identities(end)} "
+            f"| {retention} |"
         )
     lines += _profile_lines(sizes)
-    if run["failed"]:
-        f = run["failed"]
-        lines += ["", f"**{f['jobs']} jobs did not run to the end** (after {f['after_s']:.0f} s): {f['error']}"]
-    errors = [f"- {s['jobs']} jobs: {e}" for s in sizes for e in s["errors"][:5]]
+    for f in run["failed"]:
+        lines += ["", f"**{f['jobs']} jobs, auth {f['auth']} did not run to the end** (after {f['after_s']:.0f} s): "
+                  f"{f['error']}; no larger size ran with auth {f['auth']}"]  # fmt: skip
+    errors = [f"- {_label(s)}: {e}" for s in sizes for e in s["errors"][:5]]
     if errors:
         lines += ["", "Agent errors (first five per size):", *errors]
     return "\n".join(lines)
@@ -173,7 +247,7 @@ def _saturated(run: dict[str, Any]) -> list[str]:
         p = s["processes"]
         cores = p["agent_hosts"]["cpu_cores"] + p["probe_host"]["cpu_cores"]
         if cores > HARNESS_SHARE * run["cpus"]:
-            out.append(f"At {s['jobs']} jobs the agent hosts took {cores:.2f} of the {run['cpus']} cores: from there "
+            out.append(f"At {_label(s)} the agent hosts took {cores:.2f} of the {run['cpus']} cores: from there "
                        "this machine, not etcd or the controller, sets the pace.")  # fmt: skip
     return ["", *out] if out else []
 
@@ -184,11 +258,9 @@ def _profile_lines(sizes: Sequence[dict[str, Any]]) -> list[str]:
         for name, profile in s["profiles"].items():
             if not profile["by_self"]:
                 if profile.get("note"):
-                    lines.append(f"- {s['jobs']} jobs, {name}: {profile['note']}")
+                    lines.append(f"- {_label(s)}, {name}: {profile['note']}")
                 continue
-            if not lines:
-                lines = ["", "## profiles (share of the samples in a function; under it, in brackets)", ""]
             own = "; ".join(f"{h['function']} {100 * h['self_share']:.0f}%" for h in profile["by_self"][:6])
             under = "; ".join(f"{h['function']} {100 * h['total_share']:.0f}%" for h in profile["by_total"][:6])
-            lines.append(f"- {s['jobs']} jobs, {name} ({profile['samples']} samples): in {own}. Under: {under}")
-    return lines
+            lines.append(f"- {_label(s)}, {name} ({profile['samples']} samples): in {own}. Under: {under}")
+    return ["", "## profiles (share of the samples in a function; under it, in brackets)", "", *lines] if lines else []

@@ -5,7 +5,8 @@ the measurement window, every job ends, and what they left behind is checked.
 Processes: etcd (``--enable-pprof``), the controller (``regroup controller``, ``controller_process``), one agent
 host for the probe job and ``hosts`` for the background jobs (round robin), and this one
 (``bench``), which serves the Kubernetes API stand-in the controller watches and plays the
-churn.
+churn. With ``auth``, etcd serves TLS with client-certificate authentication on and every
+process presents its own certificate (``etcd_auth``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bench.platform.agent_host import AgentHost
 from bench.platform.agent_specs import Timing
 from bench.platform.churn import Churn
 from bench.platform.controller_process import ControllerProcess
+from bench.platform.etcd_auth import PlatformAuth, bootstrap
 from bench.platform.jobs import NAMESPACE, Job, Jobs, News
 from bench.platform.leftovers import check_leftovers
 from bench.platform.observe import COUNTERS, GAUGES, EtcdGateway, Usage, usage
@@ -60,6 +62,8 @@ class SizeSettings:
     """Seconds of CPU profile of etcd, the controller and an agent host (0: none)."""
     seed: int
     root: Path
+    auth: bool = False
+    """etcd with TLS and authentication on, one etcd identity per job (``etcd_auth``)."""
 
 
 @dataclass
@@ -86,11 +90,8 @@ class Platform:
     hosts: list[AgentHost]
     jobs: Jobs
     news: News
+    gateway: EtcdGateway
     counter: int = 0
-
-    @property
-    def gateway(self) -> EtcdGateway:
-        return EtcdGateway(self.etcd.url)
 
     def pids(self) -> dict[str, list[int]]:
         assert self.etcd.pid is not None
@@ -111,7 +112,7 @@ class Platform:
     def start_job(self) -> Job:
         self.counter += 1
         s = self.settings
-        return self.jobs.start(f"job-{self.counter:04d}", self.hosts[self.counter % len(self.hosts)], s.agents, s.agents // 2)
+        return self.jobs.start(job_name(self.counter), self.hosts[self.counter % len(self.hosts)], s.agents, s.agents // 2)
 
     def formed(self) -> bool:
         """Every job has formed a world at full size."""
@@ -119,33 +120,47 @@ class Platform:
         return all((w := self.news.world(j)) is not None and w.world_size == full for j in self.jobs.all)
 
 
+def job_name(counter: int) -> str:
+    """The name of the ``counter``-th background job started."""
+    return f"job-{counter:04d}"
+
+
 async def run_size(s: SizeSettings) -> dict[str, Any]:
     """Play one size; returns its results (``report`` shapes them)."""
     s.root.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    etcd = EtcdServer(data_dir=s.root / "etcd-data", log_path=s.root / "etcd.log", extra_args=("--enable-pprof",))
+    auth = await asyncio.to_thread(PlatformAuth.make, s.root / "pki") if s.auth else None
+    etcd = EtcdServer(data_dir=s.root / "etcd-data", log_path=s.root / "etcd.log", extra_args=("--enable-pprof",),
+                      tls=auth.tls if auth else None)  # fmt: skip
     api = FakeKubeAPI(history_limit=1_000_000)
     news = News()
     async with contextlib.AsyncExitStack() as stack:
         await asyncio.to_thread(etcd.start)
         stack.push_async_callback(asyncio.to_thread, etcd.stop)
+        gateway = EtcdGateway(etcd.url, auth.gateway_access() if auth else None)
+        if auth is not None:
+            await bootstrap(etcd, auth, gateway, s.root / "bootstrap.log")
+            first = [PROBE, *map(job_name, range(1, s.jobs + 1))]
+            # Their certificates now, off the loop; a job the churn starts later gets its own then (milliseconds).
+            await asyncio.to_thread(lambda: [auth.job(NAMESPACE, name) for name in first])
         await api.start()
         stack.push_async_callback(api.stop)
         controller = ControllerProcess(api.write_kubeconfig(s.root / "kubeconfig"), etcd.endpoint, s.retention,
-                                       s.root / "controller.log")  # fmt: skip
+                                       s.root / "controller.log", auth.controller_flags() if auth else ())  # fmt: skip
         stack.push_async_callback(controller.stop)
         hosts = [AgentHost(f"agents-{i}", etcd.endpoint, s.timing, news.take) for i in range(s.hosts + 1)]
         for host in hosts:
             stack.push_async_callback(host.stop)
         # The controller and the hosts start together: each spends seconds importing.
         await asyncio.gather(controller.start(), *(h.start() for h in hosts))
-        leases_start = EtcdGateway(etcd.url).leases()
+        leases_start = gateway.leases()
         annotations = {
             "regroup.dev/min-nodes": str(s.agents // 2),
             "regroup.dev/max-nodes": str(s.agents),
             "regroup.dev/join-window": f"{s.join_window.total_seconds():g}s",
         }
-        platform = Platform(s, etcd, api, controller, hosts[0], hosts[1:], Jobs(api, annotations), news)
+        jobs = Jobs(api, annotations, auth.job if auth else None)
+        platform = Platform(s, etcd, api, controller, hosts[0], hosts[1:], jobs, news, gateway)
         started = time.monotonic()
         probe = platform.jobs.start(PROBE, platform.probe_host, s.agents, s.agents // 2)
         for _ in range(s.jobs):
@@ -158,8 +173,8 @@ async def run_size(s: SizeSettings) -> dict[str, Any]:
         window = await _measure(platform, probe)
         end = await _end(platform, leases_start)
     shutil.rmtree(s.root / "etcd-data", ignore_errors=True)  # the numbers are taken; the database is not kept
-    return {"jobs": s.jobs, "agents_per_job": s.agents, "load_before": load, "form_s": round(form_s, 2), **window,
-            "end": end, "errors": news.errors}  # fmt: skip
+    return {"jobs": s.jobs, "auth": "on" if s.auth else "off", "agents_per_job": s.agents, "load_before": load,
+            "form_s": round(form_s, 2), **window, "end": end, "errors": news.errors}  # fmt: skip
 
 
 async def _measure(platform: Platform, probe: Job) -> dict[str, Any]:
@@ -218,6 +233,7 @@ async def _end(platform: Platform, leases_start: int) -> dict[str, Any]:
     jobs = platform.jobs
     live = [j for j in jobs.all.values() if not j.ended]
     finished = await asyncio.gather(*(jobs.finish(j, platform.news, FINISH_TIMEOUT) for j in live))
-    left = await check_leftovers(platform.gateway, NAMESPACE, list(jobs.all), leases_start, s.timing.lease_ttl, s.retention)
+    left = await check_leftovers(platform.gateway, NAMESPACE, list(jobs.all), leases_start, s.timing.lease_ttl, s.retention,
+                                 identities=s.auth)  # fmt: skip
     (s.root / "leftovers.json").write_text(json.dumps(left.pop("keys_by_job"), indent=1) + "\n")
     return {**left, "not_finished_in_time": finished.count(False), "retention_s": s.retention.total_seconds()}

@@ -1,4 +1,5 @@
-"""``python -m bench rendezvous [--quick] [--sizes 8,64,256] [--window-sizes 1024] [--json PATH]``
+"""``python -m bench rendezvous [--quick] [--sizes 8,64,256] [--window-sizes 1024] [--json PATH]``:
+how fast N agents form and re-form a rendezvous, on etcd-v3, c10d and etcd-v2.
 
 etcd-v3 (this package) against torch's own ``c10d`` and ``etcd-v2`` dynamic rendezvous,
 in one run on one machine. N lightweight agents per backend are threads of this process

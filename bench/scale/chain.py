@@ -45,18 +45,20 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.scale import floors, memory
-from regroup.trainer import reshard
-from regroup.trainer.app_state import AppState, TrainerState
-from regroup.trainer.checkpoint import Checkpointer
-from regroup.trainer.checkpoint_folders import folder_bytes, step_dir
-from regroup.trainer.config import CheckpointConfig, ModelConfig
-from regroup.trainer.distributed import Runtime, build_sharded_model, runtime_on_default_group
-from regroup.trainer.handoff import hand_off
-from regroup.trainer.host_memory import give_back
+from regroup.elastic.checkpoint.app_state import AppState, TrainerState
+from regroup.elastic.checkpoint.checkpointer import Checkpointer
+from regroup.elastic.checkpoint.folders import folder_bytes, step_dir
+from regroup.elastic.memory import reshard
+from regroup.elastic.memory.handoff import hand_off
+from regroup.elastic.memory.host_memory import give_back
+from regroup.elastic.memory.reshard import HeldState, flat_state, forget_old_meshes, hold_state, redistribute, split_state
+from regroup.elastic.memory.snapshot import Snapshots
+from regroup.elastic.memory.snapshot_cost import interval_for
+from regroup.elastic.settings import CheckpointConfig
+from regroup.elastic.world.runtime import Runtime, runtime_on_default_group
+from regroup.trainer.config import ModelConfig
 from regroup.trainer.model import Decoder
-from regroup.trainer.reshard import HeldState, flat_state, forget_old_meshes, hold_state, redistribute, split_state
-from regroup.trainer.snapshot import Snapshots
-from regroup.trainer.snapshot_cost import interval_for
+from regroup.trainer.sharding import build_sharded_model
 
 PATHS = ("replace", "shrink-loss", "grow", "migrate", "shrink-planned", "load")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from regroup.trainer.reshard_plan import chunk_rows
+from regroup.elastic.memory.reshard_plan import chunk_rows
 
 
 def _status(field: str) -> int:

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from regroup.trainer.snapshot_cost import interval_for
+from regroup.elastic.memory.snapshot_cost import interval_for
 
 REFORMS = ("replace", "shrink-loss", "grow", "migrate", "shrink-planned")
 GB = 1e9

@@ -33,9 +33,14 @@ def rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: Out) -> bool
 
 
 def flapping(s: JobSnapshot, now: float, settings: ControllerSettings, newest: PodInfo | None, out: Out) -> bool:
-    """Whether the job's rounds advanced too often within the flapping window (warned on ``newest``)."""
+    """Whether too many rounds within the flapping window gave way before the trainers took
+    a step in them (warned on ``newest``): the rendezvous re-forms again and again and the
+    job gets nowhere (ranks that die before their first step, members that come and go
+    while a round gathers). A round that trained does not count, whoever asked for it: the
+    controller's re-forms, planned or not, in place or restarting the workers, with a spare
+    or not, and the agents' own round around a crashed rank are churn the job got through."""
     window = settings.reform.flapping_window.total_seconds()
-    recent = [t for t in s.round_times if now - window <= t <= now]
+    recent = [t for t in s.untrained_round_times if now - window <= t <= now]
     if len(recent) < settings.reform.flapping_rounds:
         return False
     if newest is not None:
@@ -44,7 +49,8 @@ def flapping(s: JobSnapshot, now: float, settings: ControllerSettings, newest: P
                 newest.ref,
                 "Warning",
                 "RendezvousFlapping",
-                f"job {s.job}: {len(recent)} rendezvous rounds within {settings.reform.flapping_window}",
+                f"job {s.job}: {len(recent)} rendezvous rounds gave way before a training step in them "
+                f"within {settings.reform.flapping_window}",
             )
         )
     # Requeue so the alert clears once the window has passed.

@@ -6,7 +6,7 @@ from checkpoint import Checkpointer
 from model import ModelArgs, Transformer
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 from utils import inspect_mixed_precision, inspect_model
-from regroup.trainer import elastic
+from regroup import elastic
 
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
     """ verification that we have at least 2 gpus to run dist examples """

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
-from regroup.trainer import elastic
+from regroup import elastic
 
 parser = argparse.ArgumentParser(description="Llama + FSDP2 on synthetic tokens")
 parser.add_argument("--steps", type=int, default=100)

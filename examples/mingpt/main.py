@@ -8,7 +8,7 @@ from trainer import Trainer, TrainerConfig
 from char_dataset import CharDataset, DataConfig
 from omegaconf import DictConfig
 import hydra
-from regroup.trainer import elastic
+from regroup import elastic
 
 def verify_min_gpu_count(min_gpus: int = 2) -> bool:
     has_gpu = torch.accelerator.is_available()

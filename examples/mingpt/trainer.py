@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, DataLoader
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
-from regroup.trainer import elastic
+from regroup import elastic
 
 import boto3
 from urllib.parse import urlparse

@@ -3,7 +3,10 @@
 - ``settings``: ``EtcdSettings`` (endpoints, TLS and auth), parsed once at the edge.
 - ``client``: ``connect()``, an ``aetcd.Client`` on the first endpoint that answers (TLS
   added here because aetcd itself only opens insecure channels); the errors callers see,
-  ``TRANSIENT_ERRORS`` (the ones worth trying again) among them; ``enable_auth``.
+  ``TRANSIENT_ERRORS`` (the ones worth trying again) among them, and ``PermissionDenied``,
+  which names the operation, the key and the identity etcd refused; ``enable_auth``.
+- ``auth``: etcd identities and roles: each job's own user and role, the controller's
+  ``bootstrap`` of etcd auth (imported as ``regroup.etcd.auth``, by the controller only).
 - ``lease``: ``LeaseKeeper``, the owned task that refreshes a lease until cancelled
   (aetcd has no background keep-alive).
 - ``watch``: ``open_watch`` and ``close_watch``, so a cancellation that lands while
@@ -22,10 +25,12 @@ from regroup.etcd.client import (
     ConnectionFailedError,
     ConnectionTimeoutError,
     EtcdUnavailable,
+    PermissionDenied,
     RevisionCompactedError,
     UnauthenticatedError,
     connect,
     enable_auth,
+    is_permission_denied,
     make_client,
 )
 from regroup.etcd.lease import LeaseKeeper
@@ -52,6 +57,7 @@ __all__ = [
     "LoopProblem",
     "LoopThread",
     "LoopThreads",
+    "PermissionDenied",
     "Put",
     "Reflector",
     "ReflectorEvent",
@@ -62,6 +68,7 @@ __all__ = [
     "close_watch",
     "connect",
     "enable_auth",
+    "is_permission_denied",
     "loop_threads",
     "make_client",
     "parse_endpoints",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -79,3 +80,28 @@ class EtcdSettings:
     def describe(self) -> str:
         scheme = "https" if self.tls else "http"
         return ",".join(f"{scheme}://{e}" for e in self.endpoints)
+
+    @property
+    def identity(self) -> str:
+        """Who etcd takes this client for once its auth is on: the ``user`` (a token wins
+        over the certificate), else the common name of the client certificate (etcd's
+        ``--client-cert-auth``), else ``"anonymous"``."""
+        if self.user is not None:
+            return self.user
+        if self.cert is not None:
+            return certificate_cn(Path(self.cert)) or f"(no CN in {self.cert})"
+        return "anonymous"
+
+
+def certificate_cn(path: Path) -> str | None:
+    """The subject common name of the first certificate in the PEM file ``path`` (None when
+    it has none or cannot be read). Decoded by the ``ssl`` module's own certificate decoder
+    (the one its tests use; the client image has no ``cryptography``)."""
+    decode = getattr(ssl._ssl, "_test_decode_cert", None)  # type: ignore[attr-defined]
+    if decode is None:
+        return None
+    try:
+        subject = decode(str(path)).get("subject", ())
+    except (OSError, ssl.SSLError, ValueError):
+        return None
+    return next((value for rdn in subject for name, value in rdn if name == "commonName"), None)

@@ -12,12 +12,15 @@ from datetime import timedelta
 import aetcd
 import structlog
 
-from regroup.etcd.client import TRANSIENT_ERRORS
+from regroup.etcd.client import TRANSIENT_ERRORS, PermissionDenied, describe_keys
 
 log = structlog.get_logger("regroup.etcd")
 
 EventKind = aetcd.rtypes.EventKind
 Watch = aetcd.rtypes.Watch
+
+REFUSED = -1
+"""The watch id etcd answers a refused watch creation with (``clientv3.InvalidWatchID``)."""
 
 
 async def open_watch(client: aetcd.Client, key: bytes, *, start_revision: int, prefix: bool = True) -> Watch:
@@ -28,6 +31,10 @@ async def open_watch(client: aetcd.Client, key: bytes, *, start_revision: int, p
     the caller would then wait on its new watch, cancelled but never told, and whatever
     awaits its end (a ``TaskGroup``, a shutdown) would hang. The cancellation is honoured
     here: the watch is closed and ``CancelledError`` raised.
+
+    A watch etcd refuses (the client's identity may not read the range) is answered as
+    created and cancelled at once, with watch id -1, which aetcd hands back as a watch that
+    never delivers anything: ``PermissionDenied`` is raised instead.
     """
     opener = client.watch_prefix if prefix else client.watch
     watch = await opener(key, start_revision=start_revision)
@@ -35,7 +42,19 @@ async def open_watch(client: aetcd.Client, key: bytes, *, start_revision: int, p
     if task is not None and task.cancelling():
         await close_watch(watch)
         raise asyncio.CancelledError(f"cancelled while the watch on {key.decode(errors='replace')} was created")
+    if watch.watch_id == REFUSED:
+        await close_watch(watch)
+        what = describe_keys([key]) + (" (prefix)" if prefix else "")
+        denied = PermissionDenied(
+            "etcd cancelled the watch as it created it", operation="watch", key=what,
+            identity=getattr(client, "identity", "anonymous"),
+        )  # fmt: skip
+        report = getattr(client, "report", None)
+        if report is not None:
+            report(denied)
+        raise denied
     return watch
+
 
 
 async def close_watch(watch: Watch, timeout: timedelta = timedelta(seconds=1)) -> bool:

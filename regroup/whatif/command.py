@@ -1,5 +1,6 @@
-"""``regroup whatif``: the expected goodput of a job under a given churn, four ways; and
-with ``--params``, what moving a model of that size costs at each kind of re-form.
+"""``regroup whatif``: the expected goodput of a job under a given churn, three ways (four
+with ``--spares``); and with ``--params``, what moving a model of that size costs at each
+kind of re-form.
 
 Reads the job's own spans (``regroup trace-report``'s reading), asks the model
 (``regroup.whatif.model``) and prints its tables, or JSON with ``--json``
@@ -22,7 +23,7 @@ from regroup.trace_report import SpansFileError, load_spans
 from regroup.whatif.churn import DEFAULT_NOTICE, DEFAULT_REPLACE_AFTER, Churn, JobShape, WhatIfError
 from regroup.whatif.costs import costs_from_stalls
 from regroup.whatif.model import outcomes
-from regroup.whatif.recorded import Stall, checkpoint_seconds, stalls_from_spans, step_seconds
+from regroup.whatif.recorded import Stall, recorded_checkpoint, stalls_from_spans, step_seconds
 from regroup.whatif.report import as_json, format_report
 from regroup.whatif.sizes import Hardware, Projection, SizedJob, format_projection, parse_count, project
 
@@ -34,13 +35,23 @@ def _duration(text: str) -> timedelta:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+DESCRIPTION = (
+    "expected goodput under a churn rate of three strategies (in-place elastic, restart elastic, fixed size with "
+    "checkpoint-restart), and a fourth with --spares (fixed size + spares); the min/max and checkpoint interval "
+    "that maximise it"
+)
+"""What ``regroup whatif --help`` says it does: the strategies it prints (``model.outcomes``)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
     parser.add_argument("spans", type=Path, nargs="?",
                         help="the job's OTLP JSON-lines spans file, or a `regroup demo` run folder "
                              "(optional with --params)")  # fmt: skip
     parser.add_argument("--nodes", type=int, required=True, help="the job's full size (an elastic job's max)")
     parser.add_argument("--spares", type=int, default=0,
-                        help="idle nodes a fixed-size job keeps to replace a lost one (default 0)")  # fmt: skip
+                        help="idle nodes a fixed-size job keeps to replace a lost one; given, the fixed size + spares "
+                             "strategy is priced too (default 0)")  # fmt: skip
     parser.add_argument("--min-nodes", type=int, help="the elastic job's min (default: the recommended one)")
     churn = parser.add_argument_group("churn (mean time between events, for the whole job: 20m, 2h, 1h30m)")
     churn.add_argument("--reclaim-every", type=_duration, help="reclaim notices (spot reclaims, drains)")
@@ -55,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="K of the job's restart-storm rule: a flaky node's crashes before its cordon "
                             "(default 3)")  # fmt: skip
     given = parser.add_argument_group("what the spans may not record")
-    given.add_argument("--checkpoint-cost", type=_duration, help="one checkpoint save to storage (default: recorded)")
+    given.add_argument("--checkpoint-cost", type=_duration,
+                       help="one checkpoint save to storage (default: recorded: the trainers' saves to storage in the "
+                            "spans, else their checkpoints acked from memory, said so)")  # fmt: skip
     given.add_argument("--step-time", type=_duration, help="one training step (default: recorded)")
     given.add_argument("--process-start", type=_duration,
                        help="a restarted worker's start (default: recorded on the restart path, else 60s)")  # fmt: skip
@@ -116,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         job = JobShape(args.nodes, args.spares, args.min_nodes, args.checkpoint_every)
         spans, stalls = _stalls(args.spans)
+        saved = recorded_checkpoint(spans)
         costs = costs_from_stalls(
-            stalls, step=step_seconds(spans, stalls), checkpoint=checkpoint_seconds(spans),
+            stalls, step=step_seconds(spans, stalls), checkpoint=None if saved is None else saved.seconds,
             step_option=args.step_time, checkpoint_option=args.checkpoint_cost, process_start_option=args.process_start,
+            checkpoint_source="recorded" if saved is None else saved.source,
         )  # fmt: skip
     except WhatIfError as exc:
         print(f"regroup whatif: {exc}", file=sys.stderr)

@@ -71,11 +71,11 @@ def _recorded(stalls: list[Stall], value: Callable[[Stall], float]) -> Figure | 
     return Figure(_mean([value(s) for s in stalls]), f"recorded: {len(stalls)}")
 
 
-def _option(value: timedelta | None, option: str, recorded: float | None) -> Figure | None:
+def _option(value: timedelta | None, option: str, recorded: float | None, source: str = "recorded") -> Figure | None:
     """The option when given, else the recorded figure (None: neither)."""
     if value is not None:
         return Figure(value.total_seconds(), option)
-    return None if recorded is None else Figure(recorded, "recorded")
+    return None if recorded is None else Figure(recorded, source)
 
 
 def costs_from_stalls(
@@ -86,22 +86,24 @@ def costs_from_stalls(
     step_option: timedelta | None = None,
     checkpoint_option: timedelta | None = None,
     process_start_option: timedelta | None = None,
+    checkpoint_source: str = "recorded",
 ) -> ReformCosts:
     """The costs of re-forms, from the recorded ``stalls`` (options override what they measure).
 
     ``step`` and ``checkpoint`` are what the spans measured (``recorded.step_seconds``,
-    ``recorded.checkpoint_seconds``); raises ``WhatIfError`` naming the option to give when
-    a needed figure is neither recorded nor given.
+    ``recorded.recorded_checkpoint``, whose source ``checkpoint_source`` says); raises
+    ``WhatIfError`` naming the option to give when a needed figure is neither recorded nor
+    given.
     """
     if not stalls:
         raise WhatIfError("the spans record no re-form")
     restarts = [s for s in stalls if _is_restart(s)]
     in_place = [s for s in stalls if not _is_restart(s)]
-    save = _option(checkpoint_option, "--checkpoint-cost", checkpoint)
+    save = _option(checkpoint_option, "--checkpoint-cost", checkpoint, checkpoint_source)
     if save is None:
         raise WhatIfError(
-            "no checkpoint saved to storage in the spans (regroup.trainer.checkpoint; an in-place re-form acks "
-            "from memory): give --checkpoint-cost, the seconds one save stops training"
+            "the spans record no checkpoint (no regroup.trainer.checkpoint span: the trainers exported none, or no "
+            "re-form asked them for one): give --checkpoint-cost, the seconds one save to storage stops training"
         )
     start = _option(process_start_option, "--process-start", mean_phase(restarts, "startup")) or Figure(
         DEFAULT_PROCESS_START.total_seconds(), "default; --process-start"

@@ -34,12 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from regroup.records import DETECT_PHASE, Progress
-from regroup.trace_report import Reform, reforms_from_spans, resume_phases
+from regroup.trace_report import CRASH, TRAINER_RESUME, Reform, reforms_from_spans, resume_phases
 
-TRAINER_RESUME = "regroup.trainer.resume"
 TRAINER_CHECKPOINT = "regroup.trainer.checkpoint"
-CRASH = "crash"
-"""The cause of a re-form the agents made without the controller (a rank or worker crashed)."""
 RESTART_MODE = "restart"
 
 
@@ -208,20 +205,55 @@ def resumed_from_memory(stall: Stall) -> bool:
     return "reshard" in stall.resume_phases and "load" not in stall.resume_phases
 
 
+def _saves(spans: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Seconds of each trainer checkpoint: (those that wrote to storage, those acked from memory).
+
+    A save wrote when ``regroup.checkpoint.stored`` says so, or, where an older trainer does
+    not say, when it counted bytes."""
+    stored, from_memory = [], []
+    for save in _trainer_spans(spans, TRAINER_CHECKPOINT):
+        attrs = save.attributes
+        seconds = float(attrs.get("regroup.checkpoint.duration_s", save.end - save.start))
+        flag = attrs.get("regroup.checkpoint.stored")
+        wrote = bool(attrs.get("regroup.checkpoint.bytes")) if flag is None else bool(flag)
+        (stored if wrote else from_memory).append(seconds)
+    return stored, from_memory
+
+
 def checkpoint_seconds(spans: list[dict[str, Any]]) -> float | None:
     """Mean seconds the trainers took to save a checkpoint to storage (None: none recorded).
 
     Only saves that wrote (``regroup.checkpoint.stored``, or bytes where an older trainer
-    does not say): an ack from memory writes nothing and says nothing of a save's cost.
-    """
-    durations = []
-    for save in _trainer_spans(spans, TRAINER_CHECKPOINT):
-        attrs = save.attributes
-        stored = attrs.get("regroup.checkpoint.stored")
-        if stored is False or (stored is None and not attrs.get("regroup.checkpoint.bytes")):
-            continue
-        durations.append(float(attrs.get("regroup.checkpoint.duration_s", save.end - save.start)))
-    return statistics.fmean(durations) if durations else None
+    does not say): an ack from memory writes nothing."""
+    stored, _ = _saves(spans)
+    return statistics.fmean(stored) if stored else None
+
+
+@dataclass(frozen=True)
+class RecordedCheckpoint:
+    """``C`` as the spans record it, and what it was read from."""
+
+    seconds: float
+    source: str
+
+
+FROM_MEMORY = "recorded: {n} acked from memory, no save to storage in the spans; --checkpoint-cost for one"
+"""The source of a ``C`` read from checkpoints that were acked from memory."""
+
+
+def recorded_checkpoint(spans: list[dict[str, Any]]) -> RecordedCheckpoint | None:
+    """What one checkpoint stopped training, as the trainers recorded it
+    (``regroup.trainer.checkpoint``): the mean of their saves to storage; where every
+    checkpoint was acked from memory (an in-place job: the state the re-form hands over is
+    in memory), the mean of those, said so: a save to storage costs more, and the
+    strategies that restart from storage are priced low by it. None when the spans record
+    no checkpoint at all."""
+    stored, from_memory = _saves(spans)
+    if stored:
+        return RecordedCheckpoint(statistics.fmean(stored), "recorded")
+    if from_memory:
+        return RecordedCheckpoint(statistics.fmean(from_memory), FROM_MEMORY.format(n=len(from_memory)))
+    return None
 
 
 def mean_phase(stalls: Iterable[Stall], phase: str) -> float | None:

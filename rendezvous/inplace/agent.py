@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,12 +40,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.metrics import put_metric
-from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from regroup.exit_codes import FINISHED, LEFT_JOB
+from regroup.exit_codes import FINISHED
 from regroup.failures import FAILURE_DIR_ENV
-from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinStopped, LeftJob
+from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinStopped
 from regroup.rendezvous.store import RoundAbandoned
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
@@ -64,14 +61,11 @@ from regroup.rendezvous.inplace.channel import (
     write_atomically,
 )
 from regroup.rendezvous.inplace.exits import REFORM_EXIT, read_reform_exit
-from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE, StopNotice, overdue, take_notice
+from regroup.rendezvous.inplace.agent_notice import SigtermNotice
+from regroup.rendezvous.inplace.notice import DEFAULT_TERM_GRACE, StopNotice
 
 log = structlog.get_logger("regroup.inplace.agent")
 
-TERM_NOTICE = "SIGTERM: a notice to leave the job"
-"""Logged once per notice, with whether the agent waits for a hand-off and until when."""
-LEAVING = "leaving a job that goes on"
-"""Logged when the agent leaves the job with ``LEFT_JOB``, with the reason."""
 LEFT_OUT = "left out of the round; staying to be let back in"
 """Logged when a round left this node out and the agent, not told to stop, stays."""
 _SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -110,7 +104,7 @@ class _LeftOut(Exception):
     """This node's workers were in a world when the round left the node out: restart them."""
 
 
-class InPlaceAgent(LocalElasticAgent):
+class InPlaceAgent(SigtermNotice, LocalElasticAgent):
     """A ``LocalElasticAgent`` whose membership changes keep opted-in workers alive."""
 
     def __init__(
@@ -235,62 +229,6 @@ class InPlaceAgent(LocalElasticAgent):
             )  # fmt: skip
             getattr(handler, "note_worker_exit", lambda round, note: None)(found.round, found.note)
             return  # one line per failure of the group: the first worker's
-
-    # -- SIGTERM: a notice, not a kill ------------------------------------------------------------
-
-    def _take_sigterm(self) -> None:
-        """Answer SIGTERM with ``_on_sigterm`` (only the main thread may install a handler)."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """The first SIGTERM is a notice: record it (member record, a bound on every wait for
-        a round) and return; the main thread acts on it (``_check_notice``). No logging here:
-        the main thread may be inside a write to the same stream."""
-        if self._notice is not None:
-            # Asked twice: stop at once, as torch's own handler does (and does for SIGINT).
-            raise SignalException(f"Process {os.getpid()} got signal: {signal.SIGTERM!r} again", signal.SIGTERM)
-        handler = self._worker_group.spec.rdzv_handler
-        in_round = getattr(handler, "in_round", None)
-        notice = take_notice(
-            time.time(),
-            self._term_grace,
-            controller=bool(getattr(getattr(handler, "view", None), "controller", False)),
-            in_round=bool(in_round()) if in_round is not None else False,
-        )
-        self._notice = notice
-        notify = getattr(handler, "notice_leaving", None)
-        if notify is not None:
-            notify(notice.since, notice.by, notice.stop_at, notice.reason)
-
-    def _check_notice(self) -> None:
-        """When told to stop: log it (once), and leave the job once that is due."""
-        notice = self._notice
-        if notice is None:
-            return
-        if not self._notice_logged:
-            self._notice_logged = True
-            log.warning(
-                TERM_NOTICE, hands_over=notice.hands_over, reason=notice.reason, term_grace_s=notice.by - notice.since,
-                leaving_by=notice.by, stop_at=notice.stop_at,
-            )  # fmt: skip
-        why = overdue(notice, time.time())
-        if why:
-            raise self._leave(why)
-
-    def _leave(self, reason: str) -> LeftJob:
-        """This node leaves a job that goes on: torch's shutdown stops the workers next (within
-        the grace when on notice), and the agent exits ``LEFT_JOB``."""
-        notice = self._notice
-        if notice is not None:
-            # torch waits this long for the workers to go after their SIGTERM, then SIGKILLs them.
-            self._shutdown_timeout = max(1, min(self._shutdown_timeout, int(notice.by - time.time() - 1)))
-        handler = self._worker_group.spec.rdzv_handler
-        log.warning(
-            LEAVING, reason=reason, exit_code=LEFT_JOB, node=str(getattr(handler, "node", "")),
-            on_notice=notice is not None,
-        )  # fmt: skip
-        return LeftJob(reason)
 
     # -- starting workers ----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ REFORM_EXIT = "the worker exited during an in-place re-form"
 
 LIKELY_CAUSE = (
     "a wrapper or `except` in the script likely caught the re-form; "
-    "put @elastic.in_place outermost or let regroup.trainer.elastic.Reform through"
+    "put @elastic.in_place outermost or let regroup.elastic.Reform through"
 )
 
 

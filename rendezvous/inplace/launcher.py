@@ -20,8 +20,10 @@ A stop at once (SIGINT, or a second SIGTERM) stops the workers as torch does and
 one line, not torch's ``SignalException`` traceback: exit 75 for SIGTERM, 128+signal else.
 
 With the ``etcd-v3`` backend the workers also get ``REGROUP_ETCD_ENDPOINT`` (from
-``--rdzv-endpoint``) unless their environment sets it already, so a script finds its job's
-etcd with no configuration of its own.
+``--rdzv-endpoint``) and, for a TLS etcd, ``REGROUP_ETCD_CACERT``, ``REGROUP_ETCD_CERT`` and
+``REGROUP_ETCD_KEY`` (from ``--rdzv-conf cacert=...,cert=...,key=...``) unless their
+environment sets them already, so a script reaches its job's etcd, as the job's identity
+(the certificate's common name), with no configuration of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ STOPPED = "stopped by a signal"
 a traceback: a planned stop, not a failure."""
 
 ETCD_ENDPOINT_ENV = "REGROUP_ETCD_ENDPOINT"
+ETCD_TLS_ENV = {"cacert": "REGROUP_ETCD_CACERT", "cert": "REGROUP_ETCD_CERT", "key": "REGROUP_ETCD_KEY"}
+"""``--rdzv-conf`` key -> the variable that hands it to the workers."""
 ETCD_BACKEND = "etcd-v3"
 
 
@@ -113,14 +117,21 @@ def stopped_by(signum: int) -> SystemExit:
     return SystemExit(code)
 
 
-def export_etcd_endpoint(rdzv_backend: str, rdzv_endpoint: str, environ: MutableMapping[str, str]) -> bool:
+def export_etcd(rdzv_backend: str, rdzv_endpoint: str, rdzv_conf: str, environ: MutableMapping[str, str]) -> list[str]:
     """Give the workers (who inherit ``environ``) the job's etcd: with the ``etcd-v3``
-    backend, ``REGROUP_ETCD_ENDPOINT`` is set from ``--rdzv-endpoint`` when the environment
-    has none. Returns whether it was set."""
-    if rdzv_backend != ETCD_BACKEND or not rdzv_endpoint or environ.get(ETCD_ENDPOINT_ENV):
-        return False
-    environ[ETCD_ENDPOINT_ENV] = rdzv_endpoint
-    return True
+    backend, ``REGROUP_ETCD_ENDPOINT`` from ``--rdzv-endpoint`` and the TLS files from
+    ``--rdzv-conf``, each unless the environment has it. Returns the variables set."""
+    if rdzv_backend != ETCD_BACKEND:
+        return []
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    wanted = {ETCD_ENDPOINT_ENV: rdzv_endpoint}
+    conf = _parse_rendezvous_config(rdzv_conf or "")
+    wanted.update({variable: conf.get(key, "") for key, variable in ETCD_TLS_ENV.items()})
+    exported = [variable for variable, value in wanted.items() if value and not environ.get(variable)]
+    for variable in exported:
+        environ[variable] = wanted[variable]
+    return exported
 
 
 @record
@@ -134,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     # Until the agent takes SIGTERM as a notice (it runs once etcd answers), it ends the launch.
     signal.signal(signal.SIGTERM, _leave_before_starting)
     # Workers inherit the agent's environment.
-    export_etcd_endpoint(args.rdzv_backend, args.rdzv_endpoint, os.environ)
+    export_etcd(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf, os.environ)
     # torch's launch_agent builds its agent from this module attribute; the rest is torch's.
     launcher_api.LocalElasticAgent = functools.partial(  # type: ignore[misc]
         InPlaceAgent,

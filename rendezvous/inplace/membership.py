@@ -23,7 +23,7 @@ class Reform(BaseException):
     """The current world is being re-formed (or a peer vanished): leave and rejoin.
 
     What ends a call of the training function under ``@elastic.in_place`` for a re-form
-    (``regroup.trainer.elastic.Reform``). A ``BaseException``, as ``SystemExit`` and
+    (``regroup.elastic.Reform``). A ``BaseException``, as ``SystemExit`` and
     ``KeyboardInterrupt`` are, so that an ``except Exception`` in the script, and a wrapper
     that catches ``Exception`` (``@hydra.main`` exits 1 on one), let it through to
     ``in_place``. ``clean``: every rank left at one agreed step boundary, so the live state

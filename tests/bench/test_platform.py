@@ -19,7 +19,8 @@ RETENTION = 2.0
 to pass before the clean-up removes the ended jobs' keys and tombstones."""
 SMALLEST = ["--jobs", "1", "--agents", "2", "--probes", "1", "--churn", "6", "--warmup", "0", "--profile", "0",
             "--lease-ttl", str(LEASE_TTL), "--step-time", "0.5", "--join-window", "1",
-            "--retention", str(RETENTION)]  # fmt: skip
+            "--retention", str(RETENTION), "--auth", "off"]  # fmt: skip
+"""Auth off: the platform as it was; ``test_platform_auth`` checks what auth on adds."""
 
 
 def test_smallest_run_reports_every_size_with_sane_numbers(tmp_path: Path, worker_env: dict[str, str]) -> None:

@@ -4,7 +4,8 @@ The Kubernetes API stand-in (``kubeapi``) with graceful pod deletion, evictions 
 disruption budgets; a kubelet stand-in (``tests.kubeapi.kubelet``) that runs each bound
 pod's container as a real process and restarts or ends it as a kubelet does; each
 container a real ``regroup-run --standby`` agent whose workers run the built-in trainer on
-gloo with real checkpoints; real etcd; and the real controller with its Kubernetes adapter.
+gloo with real checkpoints; real etcd (with client-certificate auth and one identity per job,
+``running(..., auth=...)``); and the real controller with its Kubernetes adapter.
 Nothing is mocked; the test acts as ``kubectl`` (evict, cordon) and reads what etcd and the
 API server hold.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,11 +30,13 @@ from kubeapi.server import FakeKubeAPI
 from regroup.controller.settings import ControllerSettings
 from regroup.demo.etcd_server import EtcdServer
 from regroup.etcd import EtcdSettings
+from regroup.etcd.auth import job_user
 from regroup.keys import JobKeys
-from regroup.records import Progress, ReformPlan
+from regroup.records import Progress, ReformCause, ReformPhase, ReformPlan
 from tests.controller.harness import Cluster, controller, fast_settings
+from tests.etcd_helpers import AuthEtcd
+from tests.elastic.harness import events, write_config
 from tests.kubeapi.kubelet import ContainerCommand, Kubelet
-from tests.trainer.harness import events, write_config
 
 NS = "ml"
 JOB = "llm"
@@ -45,7 +50,7 @@ class Bed:
     records through etcd, the agents' logs on disk."""
 
     api: FakeKubeAPI
-    etcd: EtcdServer
+    etcd: EtcdServer | AuthEtcd
     cluster: Cluster
     root: Path
     env: dict[str, str]
@@ -55,6 +60,9 @@ class Bed:
     """``regroup-run --term-grace``: the pods' ``terminationGracePeriodSeconds``."""
     spans: InMemorySpanExporter | None = None
     """The controller's exported spans (one trace per finished re-form)."""
+    auth: AuthEtcd | None = None
+    """An etcd with client-certificate auth: the agents (and through ``regroup-run`` their
+    workers) hold only the job's certificate, the controller makes the job's identity."""
 
     def __post_init__(self) -> None:
         sections = {
@@ -93,11 +101,17 @@ class Bed:
             sys.executable, "-m", "regroup.rendezvous.inplace.launcher", "--standby",
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.etcd.endpoint}", f"--rdzv-id={JOB}",
             "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            "--rdzv-conf=lease_ttl=2,last_call_timeout=1,join_timeout=300", f"--term-grace={self.term_grace:g}",
+            f"--rdzv-conf={self.rdzv_conf()}", f"--term-grace={self.term_grace:g}",
             "--local-addr=127.0.0.1", "-m", "regroup.trainer", "--config", str(self.config),
         ]  # fmt: skip
         env = {**self.env, "POD_NAME": pod["metadata"]["name"], "POD_NAMESPACE": NS, "NODE_NAME": node}
         return ContainerCommand(argv, env, self.root / "logs" / f"{node}.log")
+
+    def rdzv_conf(self) -> str:
+        conf = {"lease_ttl": "2", "last_call_timeout": "1", "join_timeout": "300"}
+        if self.auth is not None:
+            conf.update(self.auth.rdzv_conf(job_user(self.keys)))
+        return ",".join(f"{k}={v}" for k, v in conf.items())
 
     def log(self, node: str) -> str:
         path = self.root / "logs" / f"{node}.log"
@@ -140,15 +154,16 @@ class Bed:
             raise AssertionError(f"the cluster did not reach: {what} within {timeout:.0f}s") from None
 
 
-def settings() -> ControllerSettings:
-    return fast_settings()
+def settings(identities: bool = False) -> ControllerSettings:
+    base = fast_settings()
+    return dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, etcd_job_identities=identities))
 
 
 @contextlib.asynccontextmanager
 async def running(
     api: FakeKubeAPI,
     kubeconfig: Path,
-    etcd: EtcdServer,
+    etcd: EtcdServer | AuthEtcd,
     etcd_client: Any,
     root: Path,
     env: dict[str, str],
@@ -157,13 +172,38 @@ async def running(
     **bed: Any,
 ) -> AsyncIterator[Bed]:
     """The cluster with the controller running and one worker pod per node (``restart_policy``
-    theirs); ends every process and task it started."""
+    theirs); ends every process and task it started. On an ``AuthEtcd`` the controller holds
+    its own certificate and makes the job's identity (``--etcd-job-identities``), the agents
+    hold the job's, and ``etcd_client`` must be a client of the controller's identity."""
     api.graceful_pod_deletion = True
-    testbed = Bed(api, etcd, Cluster(api, etcd_client), root, env, **bed)
-    async with controller(api, kubeconfig, EtcdSettings.from_endpoint_string(etcd.endpoint), settings()) as (_, spans):
+    auth = etcd if isinstance(etcd, AuthEtcd) else None
+    testbed = Bed(api, etcd, Cluster(api, etcd_client), root, env, auth=auth, **bed)
+    etcd_settings = auth.settings(AuthEtcd.CONTROLLER) if auth else EtcdSettings.from_endpoint_string(etcd.endpoint)
+    async with controller(api, kubeconfig, etcd_settings, settings(identities=auth is not None)) as (_, spans):
         testbed.spans = spans
         async with Kubelet(api, nodes, testbed.launch, restart_backoff=timedelta(seconds=0.5)) as kubelet:
             testbed.kubelet = kubelet
             for node in nodes:
                 testbed.add(node, restart_policy=restart_policy)
             yield testbed
+
+
+def done(cause: ReformCause, nodes_after: list[str]) -> Any:
+    """A finished plan of ``cause`` to ``nodes_after``, in whatever positions the round gave them."""
+    return lambda p: (p.phase == ReformPhase.DONE and p.cause == cause and sorted(p.nodes_after) == nodes_after)
+
+
+async def evict(bed: Bed, kube_client: Any, node: str, grace: int) -> float:
+    """``kubectl``'s eviction of the job's pod on ``node``; returns when it was asked."""
+    at = time.time()
+    await bed.cluster.evict(kube_client, f"{JOB}-{node}", grace)
+    return at
+
+
+async def left_inside_its_grace(bed: Bed, node: str, evicted_at: float, grace: float) -> float:
+    """Await the pod's end (its agent exited, the kubelet removed it); returns how long it took."""
+    await bed.until(f"pod {JOB}-{node} gone", lambda api: api.get("Pod", f"{JOB}-{node}", NS) is None, grace + 30)
+    took = time.time() - evicted_at
+    assert took < grace, f"{node} was still there when its {grace:g}s grace ended ({took:.1f}s)"
+    assert not bed.events(node, "Received 15 death signal, shutting down workers"), bed.log(node)[-3000:]
+    return took

@@ -3,6 +3,12 @@ kubelet reports the exit (137 for a SIGKILL) and restarts the container, and the
 re-forms the job from that while the dead agent's member record still stands. The agent of
 the restarted container then comes back into the job.
 
+All of it on an etcd with client-certificate auth, as the production overlay runs it: the
+controller holds its own certificate and makes the job's etcd identity from its pods
+(``--etcd-job-identities``); the agents, and through ``regroup-run`` their trainers, hold only
+the job's certificate. The loss, the grow and then a planned eviction (checkpoint before the
+resize, the leaving rank's hand-off, 0 steps lost) all run under those identities.
+
 The whole cluster runs here (``tests.cluster.bed``): the API stand-in, a kubelet stand-in
 that kills and restarts containers as a kubelet does (``restartPolicy: Always``), real
 ``regroup-run --standby`` agents (member lease TTL 2 s) training the built-in trainer on
@@ -11,6 +17,7 @@ gloo, real etcd and the real controller.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +25,26 @@ import pytest
 
 from kubeapi.server import FakeKubeAPI
 from regroup.controller.kube.convert import parse_time
-from regroup.demo.etcd_server import EtcdServer
+from regroup.etcd.auth import job_identities, job_user
 from regroup.records import MemberRecord, ReformCause, ReformOutcome, ReformPhase
-from tests.cluster.bed import JOB, NS, Bed, running
+from tests.cluster.bed import JOB, NS, Bed, evict, left_inside_its_grace, running
+from tests.cluster.bed import done as finished
 from tests.controller.harness import until
+from tests.etcd_helpers import AuthEtcd, auth_etcd
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def auth(tmp_path: Path) -> Iterator[AuthEtcd]:
+    with auth_etcd(tmp_path / "auth-etcd") as server:
+        yield server
+
+
+@pytest.fixture
+async def controller_client(auth: AuthEtcd) -> AsyncIterator[Any]:
+    async with auth.client(AuthEtcd.CONTROLLER) as client:
+        yield client
 
 
 def killed(bed: Bed, node: str) -> dict[str, Any] | None:
@@ -37,11 +58,15 @@ def killed(bed: Bed, node: str) -> dict[str, Any] | None:
 
 
 async def test_a_killed_agent_container_is_lost_from_its_exit_before_its_lease_and_comes_back(
-    kube_api: FakeKubeAPI, kubeconfig: Path, etcd: EtcdServer, etcd_client: Any, tmp_path: Path,
-    worker_env: dict[str, str],
+    kube_api: FakeKubeAPI, kubeconfig: Path, auth: AuthEtcd, controller_client: Any, kube_client: Any,
+    tmp_path: Path, worker_env: dict[str, str],
 ) -> None:  # fmt: skip
-    async with running(kube_api, kubeconfig, etcd, etcd_client, tmp_path, worker_env, ["a", "b", "c"]) as bed:
+    async with running(kube_api, kubeconfig, auth, controller_client, tmp_path, worker_env, ["a", "b", "c"]) as bed:
         before = await bed.progress("3 ranks training", lambda p: p.world_size == 3 and p.step >= 5)
+        # Everything the agents and trainers wrote, they wrote as the job's identity, which
+        # the controller made from the pods: there is no other certificate in their hands.
+        assert bed.keys in await job_identities(controller_client)
+        assert f"cert={auth.pki.client(job_user(bed.keys))[0]}" in bed.rdzv_conf()
         member = await bed.cluster.read(bed.keys.member("b"), MemberRecord)
         assert member is not None and member.pod == f"{JOB}-b"
 
@@ -78,3 +103,12 @@ async def test_a_killed_agent_container_is_lost_from_its_exit_before_its_lease_a
         assert grown.cause == ReformCause.GROW and grown.outcome == ReformOutcome.COMPLETED, grown
         pod = bed.pod("b")
         assert pod is not None and pod["status"]["containerStatuses"][0]["restartCount"] == 1, pod and pod["status"]
+
+        # A planned leave under the same identities: the eviction's checkpoint request, the
+        # ack from memory, the hand-off and the shrink, 0 steps lost.
+        evicted_at = await evict(bed, kube_client, "c", 30)
+        plan = await bed.plan("the eviction's shrink done", finished(ReformCause.RECLAIM, ["a", "b"]))
+        assert (plan.outcome, plan.planned, plan.lost_steps) == (ReformOutcome.COMPLETED, True, 0), plan
+        shrunk = await bed.progress("2 ranks training", lambda p: p.world_size == 2 and p.step > p.resumed_from_step)
+        assert shrunk.reform_mode == "in-place" and shrunk.last_step == shrunk.resumed_from_step, shrunk
+        await left_inside_its_grace(bed, "c", evicted_at, 30)

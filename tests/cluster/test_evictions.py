@@ -9,7 +9,6 @@ real controller. The test acts as ``kubectl``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,30 +19,9 @@ from kubeapi.server import FakeKubeAPI
 from regroup.demo.etcd_server import EtcdServer
 from regroup.records import ReformCause, ReformOutcome, ReformPhase
 from regroup.rendezvous.inplace.agent import LEFT_OUT
-from tests.cluster.bed import JOB, NS, Bed, running
+from tests.cluster.bed import done, evict, left_inside_its_grace, running
 
 pytestmark = pytest.mark.slow
-
-
-def done(cause: ReformCause, nodes_after: list[str]) -> Any:
-    """A finished plan of ``cause`` to ``nodes_after``, in whatever positions the round gave them."""
-    return lambda p: (p.phase == ReformPhase.DONE and p.cause == cause and sorted(p.nodes_after) == nodes_after)
-
-
-async def evict(bed: Bed, kube_client: Any, node: str, grace: int) -> float:
-    """``kubectl``'s eviction of the job's pod on ``node``; returns when it was asked."""
-    at = time.time()
-    await bed.cluster.evict(kube_client, f"{JOB}-{node}", grace)
-    return at
-
-
-async def left_inside_its_grace(bed: Bed, node: str, evicted_at: float, grace: float) -> float:
-    """Await the pod's end (its agent exited, the kubelet removed it); returns how long it took."""
-    await bed.until(f"pod {JOB}-{node} gone", lambda api: api.get("Pod", f"{JOB}-{node}", NS) is None, grace + 30)
-    took = time.time() - evicted_at
-    assert took < grace, f"{node} was still there when its {grace:g}s grace ended ({took:.1f}s)"
-    assert not bed.events(node, "Received 15 death signal, shutting down workers"), bed.log(node)[-3000:]
-    return took
 
 
 async def test_an_eviction_and_a_drain_leave_in_place_inside_their_grace_and_lose_nothing(

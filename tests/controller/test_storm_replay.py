@@ -1,8 +1,9 @@
 """The controller benchmark's storm replay (``--costs``) makes the same decisions every run.
 
-Its CPU per event is the number docs/benchmarks.md compares code changes by, because the
-paced runs' p99 at a saturating rate moves by a third from run to run. That only holds if
-the replay itself never depends on timing: same storm, same decisions.
+Its CPU per event (and its instruction count under ``--instructions``, which
+docs/benchmarks.md compares code changes by) stands in for the paced runs' p99, which at a
+saturating rate moves by a third from run to run. That only holds if the replay itself
+never depends on timing: same storm, same decisions.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_a_worker_exit_in_the_reform_is_a_warning_event_and_on_the_plan() -> Non
     assert warning.message == (
         f"re-form {plan.generation}: n2: the worker exited during an in-place re-form (exit 1): a wrapper or "
         "`except` in the script likely caught the re-form; put @elastic.in_place outermost or let "
-        "regroup.trainer.elastic.Reform through"
+        "regroup.elastic.Reform through"
     )
     assert "\n" not in warning.message
     assert [e.reason for e in events if e.reason != WORKER_EXITED] == ["Resized"]

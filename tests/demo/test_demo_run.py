@@ -108,3 +108,32 @@ def test_the_loss_curve_is_continuous(short_run: RunData) -> None:
         assert after.resumed_from_step <= before.last_step or resumed_from_memory(after)
         steps = [s.step for s in after.samples]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+def test_no_node_log_ends_in_a_traceback(short_run: RunData) -> None:
+    # An agent stopped by a signal says so in one line (regroup-run), not with torch's
+    # SignalException traceback.
+    for log in sorted((short_run.root / "logs").glob("node-*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-20:]
+        assert tail and not any("Traceback" in line or "SignalException" in line for line in tail), (log.name, tail)
+
+
+def test_a_healthy_run_raises_no_flapping_nor_stall(short_run: RunData) -> None:
+    # Every round of it trained (the controller's re-forms and the agents' own around the
+    # flaky node's crashes alike), and it never went below its min.
+    alerts = [f"{e.reason}: {e.message}" for e in short_run.events if e.reason in ("RendezvousFlapping", "JobStalled")]
+    assert not alerts, alerts
+
+
+def test_the_reports_reform_table_adds_up_and_its_events_are_one_row_each(short_run: RunData) -> None:
+    from regroup.demo.analysis import event_rows, reform_rows
+    from regroup.demo.report import summarize
+
+    rows = reform_rows(short_run)
+    assert sum(r.lost_steps for r in rows) == summarize(short_run).lost_steps
+    # The flaky node's crashes are rows of their own (the agents re-formed without it).
+    assert any(r.cause == "crash" for r in rows), [r.label for r in rows]
+    # A job-level Event, told on each of the job's pods, is one row.
+    resized = [r for r in event_rows(short_run) if r.reason in ("Resized", "NodeMigrated", "NodeReplaced")]
+    assert resized and len({(r.message, r.time) for r in resized}) == len(resized)
+    assert all(len(r.nodes) >= 1 for r in resized) and max(len(r.nodes) for r in resized) > 1

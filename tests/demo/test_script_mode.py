@@ -20,7 +20,8 @@ from regroup.demo.nodes import (
 )
 from regroup.demo.report import build_report, not_reported, summary_text
 from regroup.demo.scenario import load_scenario, resolve_scenario_path
-from regroup.rendezvous.inplace.launcher import export_etcd_endpoint
+from regroup.elastic.options import options
+from regroup.rendezvous.inplace.launcher import export_etcd
 from tests.demo.recorded import EVENTS, T0, write_run
 
 
@@ -77,12 +78,25 @@ def test_every_worker_finds_the_runs_etcd_checkpoints_and_sample_logs(mode: str,
 
 def test_regroup_run_exports_the_rendezvous_etcd_to_workers_that_have_none() -> None:
     env: dict[str, str] = {}
-    assert export_etcd_endpoint("etcd-v3", "etcd-0:2379,etcd-1:2379", env)
+    assert export_etcd("etcd-v3", "etcd-0:2379,etcd-1:2379", "", env) == ["REGROUP_ETCD_ENDPOINT"]
     assert env == {"REGROUP_ETCD_ENDPOINT": "etcd-0:2379,etcd-1:2379"}
     mine = {"REGROUP_ETCD_ENDPOINT": "other:2379"}
-    assert not export_etcd_endpoint("etcd-v3", "etcd-0:2379", mine) and mine["REGROUP_ETCD_ENDPOINT"] == "other:2379"
+    assert not export_etcd("etcd-v3", "etcd-0:2379", "", mine) and mine["REGROUP_ETCD_ENDPOINT"] == "other:2379"
     c10d: dict[str, str] = {}
-    assert not export_etcd_endpoint("c10d", "host:29400", c10d) and not c10d
+    assert not export_etcd("c10d", "host:29400", "cert=/x", c10d) and not c10d
+
+
+def test_regroup_run_hands_its_etcd_identity_to_the_workers_and_rank_0_connects_as_it() -> None:
+    env = {"REGROUP_ETCD_KEY": "/mine/key.pem"}
+    conf = "cacert=/tls/ca.crt,cert=/tls/tls.crt,key=/tls/tls.key,lease_ttl=5"
+    assert export_etcd("etcd-v3", "etcd:2379", conf, env) == [
+        "REGROUP_ETCD_ENDPOINT", "REGROUP_ETCD_CACERT", "REGROUP_ETCD_CERT"
+    ]  # fmt: skip
+    assert env["REGROUP_ETCD_CERT"] == "/tls/tls.crt" and env["REGROUP_ETCD_KEY"] == "/mine/key.pem"
+    # The workers' settings take the files from there, as they take the endpoint.
+    etcd = options({**env, "TORCHELASTIC_RUN_ID": "job"}, global_batch=4, max_steps=1).etcd
+    assert etcd is not None
+    assert (etcd.cacert, etcd.cert, etcd.key) == ("/tls/ca.crt", "/tls/tls.crt", "/mine/key.pem")
 
 
 def _script_rows(stretches: list[tuple[int, int, float, int, int]], loss: bool = True) -> list[dict[str, object]]:

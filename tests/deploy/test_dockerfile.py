@@ -134,7 +134,7 @@ def test_every_package_of_the_distribution_is_copied_into_the_wheel_stage() -> N
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["regroup", "regroup.*"]
     links = sorted(p for p in (REPO / "regroup").iterdir() if p.is_symlink())
-    assert [p.name for p in links] == ["controller", "demo", "rendezvous", "trainer"]
+    assert [p.name for p in links] == ["controller", "demo", "elastic", "rendezvous", "trainer"]
     wheel_stage = " ".join(_stages()["wheel"])
     for folder in ["regroup"] + [p.resolve().relative_to(REPO).as_posix() for p in links]:
         assert f"COPY {folder} ./{folder}" in wheel_stage, folder
@@ -185,7 +185,7 @@ def test_wheel_builds_from_the_build_context_with_the_backend_and_without_torch(
         metadata = archive.read(info).decode()
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
     assert {
-        "regroup/controller/main.py", "regroup/rendezvous/registration.py", "regroup/trainer/smoke.py", "regroup/cli.py"
+        "regroup/controller/main.py", "regroup/rendezvous/registration.py", "regroup/elastic/smoke.py", "regroup/cli.py"
     } <= names  # fmt: skip
     # One import name: nothing but regroup lands in site-packages.
     assert {n.split("/")[0] for n in names} == {"regroup", info.split("/")[0]}

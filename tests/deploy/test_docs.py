@@ -22,7 +22,7 @@ def test_objects_the_guide_waits_on_are_the_ones_deployed() -> None:
     prod = render(DEPLOY / "overlays/prod")
     dev = render(DEPLOY / "overlays/dev")
     names = {(d["kind"].lower(), d["metadata"]["name"]) for d in prod + dev}
-    mentioned = set(re.findall(r"\b(deploy|statefulset|certificate|svc)/(regroup-[\w-]+)", DOC))
+    mentioned = set(re.findall(r"\b(deploy|statefulset|certificate|svc|job)/(regroup-[\w-]+)", DOC))
     kinds = {"deploy": "deployment", "svc": "service"}
     assert mentioned
     for kind, name in mentioned:

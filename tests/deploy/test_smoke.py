@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from regroup.trainer.smoke import RankResult, SmokeReport, add_arguments, dense_bf16_peak, format_report, run
+from regroup.elastic.smoke import RankResult, SmokeReport, add_arguments, dense_bf16_peak, format_report, run
 
 
 def run_json(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def test_regroup_smoke_runs_alone_on_cpu(python: str, worker_env: dict[str, str]
 
 def test_smoke_under_torchrun_checks_the_all_reduce_on_every_rank(python: str, worker_env: dict[str, str]) -> None:
     report = run_json(
-        [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "regroup.trainer.smoke", "--json"],
+        [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "regroup.elastic.smoke", "--json"],
         worker_env,
     )
     assert report["ok"] is True and report["world_size"] == 2

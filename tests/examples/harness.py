@@ -2,7 +2,7 @@
 
 ``ScriptJob`` is ``InPlaceJob`` (agents posing as nodes on a real etcd, the test playing the
 controller by writing its records) whose agents run ``regroup-run ... <script> <args>``: a
-user's own script on ``regroup.trainer.elastic`` instead of the built-in trainer. The
+user's own script on ``regroup.elastic`` instead of the built-in trainer. The
 script gets its job's etcd from the agent (``REGROUP_ETCD_ENDPOINT``), its checkpoint
 folder and sample log from ``REGROUP_CHECKPOINT_DIR`` and ``REGROUP_SAMPLE_LOG``. Every
 run works in a folder of its own (upstream's FSDP2 example keeps its own ``checkpoints/``

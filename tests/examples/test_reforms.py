@@ -33,7 +33,7 @@ from tests.examples.harness import (
     worlds,
 )
 from tests.rendezvous.inplace_job import wait_for
-from tests.trainer.test_resize import LOSS_RTOL
+from tests.elastic.test_resize import LOSS_RTOL
 
 pytestmark = pytest.mark.slow
 

@@ -11,6 +11,10 @@ as a crash does. docs/testing-kubeapi.md shows how to use it.
 It lives beside the tests rather than in ``kubeapi/`` because it reuses the demo's process
 tools (``regroup.demo.processes``), which the import contracts keep out of ``kubeapi``.
 Only processes it started, and their descendants, are ever signalled.
+
+Its parts: this module plays the pods' lifecycle (watching the API, starting, restarting
+and terminating each pod's container, ending nodes); ``containers`` runs a container's
+processes; ``pod_status`` records each pod's run and writes its status.
 """
 
 from __future__ import annotations
@@ -18,99 +22,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import signal
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from kubeapi import objects
 from kubeapi.registry import timestamp
 from kubeapi.server import FakeKubeAPI
-from regroup.demo.processes import AgentCommand, end_agent, kill_tree, process_tree, signal_known
+from regroup.demo.processes import end_agent, kill_tree, process_tree, signal_known
+from tests.kubeapi.containers import Container, ContainerCommand, ContainerLauncher, end_leftovers, start_process
+from tests.kubeapi.pod_status import PodRun, StatusWriter, terminated
+
+__all__ = ["MINIMUM_KILL_GRACE", "ContainerCommand", "ContainerLauncher", "Kubelet"]
+"""``ContainerCommand`` and ``ContainerLauncher``, how a test runs a pod's container, live
+beside the container processes; they are imported from here as part of the kubelet's
+interface."""
 
 MINIMUM_KILL_GRACE = timedelta(seconds=2)
 """The runtime always gives a container this long between SIGTERM and SIGKILL, even when the
 pod's grace period is shorter (kuberuntime's minimumGracePeriodInSeconds)."""
-
-_KUBELET_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")
-
-
-ContainerCommand = AgentCommand
-"""How to run a pod's container: the demo's ``AgentCommand`` (argv, the process's whole
-environment, the log its output is appended to, the working directory)."""
-
-
-ContainerLauncher = Callable[[dict[str, Any]], ContainerCommand]
-"""``pod -> ContainerCommand``, called at each start of the pod's container (restarts too)."""
-
-
-@dataclass(eq=False)
-class _Container:
-    """One started instance of a pod's container."""
-
-    process: asyncio.subprocess.Process
-    start_ticks: int
-    """The process's start time (/proc), so a reused pid is never taken for it."""
-    started_at: str
-    exited: asyncio.Task[int]
-    known: dict[int, int] = field(default_factory=dict)
-    """Its process tree as last seen (pid -> start ticks), for ending what outlives the main process."""
-    finished_at: str | None = None
-    termination: dict[str, Any] | None = None
-    """Its terminated state, once the kubelet has noted its exit."""
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def running(self) -> bool:
-        return not self.exited.done()
-
-    @property
-    def exit_code(self) -> int:
-        """As container runtimes report it: the status, or 128 + the signal that ended it."""
-        code = self.exited.result()
-        return 128 - code if code < 0 else code
-
-
-@dataclass(eq=False)
-class _PodRun:
-    """What the kubelet does for one pod (by uid): its container, restarts and termination."""
-
-    uid: str
-    namespace: str
-    name: str
-    node: str
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the pod object changed or the container exited."""
-    seen_version: str = ""
-    container: _Container | None = None
-    restart_count: int = 0
-    last_termination: dict[str, Any] | None = None
-    """The terminated state of the container's latest instance that ended."""
-    previous_termination: dict[str, Any] | None = None
-    """The one before it (lastState, once the pod is terminal)."""
-    start_time: str | None = None
-    task: asyncio.Task[None] | None = None
-
-    def note_exit(self) -> None:
-        """Records the container's exit (once) as its latest termination."""
-        container = self.container
-        if container is None or container.running or container.termination is not None:
-            return
-        code = container.exit_code
-        container.termination = {
-            "exitCode": code,
-            "reason": "Completed" if code == 0 else "Error",
-            "startedAt": container.started_at,
-            "finishedAt": container.finished_at or container.started_at,
-            "containerID": f"process://{container.pid}",
-        }
-        self.previous_termination, self.last_termination = self.last_termination, container.termination
 
 
 class Kubelet:
@@ -151,7 +82,8 @@ class Kubelet:
         self._max_restart_backoff = max_restart_backoff.total_seconds()
         self._stop_grace = stop_grace
         self._clock = clock or (lambda: datetime.now(UTC))
-        self._runs: dict[str, _PodRun] = {}
+        self._status = StatusWriter(api, self._clock)
+        self._runs: dict[str, PodRun] = {}
         self._watcher: asyncio.Task[None] | None = None
         self.errors: list[BaseException] = []
         """What went wrong inside the kubelet (not in its containers); `stop` raises the first."""
@@ -282,7 +214,7 @@ class Kubelet:
 
     def _begin(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
-        run = _PodRun(meta["uid"], meta["namespace"], meta["name"], pod["spec"]["nodeName"])
+        run = PodRun(meta["uid"], meta["namespace"], meta["name"], pod["spec"]["nodeName"])
         self._runs[run.uid] = run
         run.task = asyncio.create_task(self._run(run), name=f"kubelet-pod-{run.namespace}/{run.name}")
         run.task.add_done_callback(self._record_failure)
@@ -293,13 +225,13 @@ class Kubelet:
 
     # --- one pod -----------------------------------------------------------------------
 
-    async def _run(self, run: _PodRun) -> None:
+    async def _run(self, run: PodRun) -> None:
         await self._live(run)
         await self._terminate(run)
         if self._runs.get(run.uid) is run:
             del self._runs[run.uid]
 
-    def _current(self, run: _PodRun) -> dict[str, Any] | None:
+    def _current(self, run: PodRun) -> dict[str, Any] | None:
         """The pod as it is now (None once it is gone); clears the wake-up it answers."""
         run.wake.clear()
         pod = self._api.get("Pod", run.name, run.namespace)
@@ -308,12 +240,12 @@ class Kubelet:
         run.seen_version = pod["metadata"]["resourceVersion"]
         return pod
 
-    def _leaving(self, run: _PodRun) -> bool:
+    def _leaving(self, run: PodRun) -> bool:
         pod = self._current(run)
         return pod is None or bool(pod["metadata"].get("deletionTimestamp"))
 
     @staticmethod
-    async def _woken(run: _PodRun, until: float | None = None) -> None:
+    async def _woken(run: PodRun, until: float | None = None) -> None:
         """Until the pod changes, its container exits, or loop time `until`."""
         if until is None:
             await run.wake.wait()
@@ -322,7 +254,7 @@ class Kubelet:
             async with asyncio.timeout_at(until):
                 await run.wake.wait()
 
-    async def _live(self, run: _PodRun) -> None:
+    async def _live(self, run: PodRun) -> None:
         """Runs and restarts the container until the pod is being deleted or is gone."""
         loop = asyncio.get_running_loop()
         backoff = self._restart_backoff
@@ -338,11 +270,11 @@ class Kubelet:
             assert run.last_termination is not None
             policy = (pod.get("spec") or {}).get("restartPolicy") or "Always"
             if policy == "Never" or (policy == "OnFailure" and run.last_termination["exitCode"] == 0):
-                self._write_terminal(run)
+                self._status.terminal(run)
                 while not self._leaving(run):
                     await self._woken(run)
                 return
-            self._write_backing_off(run, backoff)
+            self._status.backing_off(run, backoff)
             until = loop.time() + backoff
             while loop.time() < until:
                 if self._leaving(run):
@@ -351,23 +283,12 @@ class Kubelet:
             backoff = min(backoff * 2, self._max_restart_backoff)
             run.restart_count += 1
 
-    async def _start_container(self, run: _PodRun, pod: dict[str, Any]) -> None:
+    async def _start_container(self, run: PodRun, pod: dict[str, Any]) -> None:
         started_at = timestamp(self._clock())
         run.start_time = run.start_time or started_at
         run.container = None
         try:
-            command = self._launch(pod)
-            command.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(command.log_path, "ab") as log:  # noqa: ASYNC230 - a local append-only log file
-                process = await asyncio.create_subprocess_exec(
-                    *command.argv,
-                    env=command.env,
-                    cwd=command.cwd,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            process = await start_process(self._launch(pod))
         except (OSError, ValueError) as e:
             # The runtime could not start it: reported as a terminated container (StartError).
             run.previous_termination, run.last_termination = run.last_termination, {
@@ -380,7 +301,7 @@ class Kubelet:
             return
         start_ticks = process_tree(process.pid).get(process.pid, 0)
         exited = asyncio.create_task(process.wait(), name=f"kubelet-container-{run.namespace}/{run.name}")
-        container = _Container(process, start_ticks, started_at, exited, {process.pid: start_ticks})
+        container = Container(process, start_ticks, started_at, exited, {process.pid: start_ticks})
         run.container = container
 
         def finished(_: object) -> None:
@@ -388,22 +309,22 @@ class Kubelet:
             run.wake.set()
 
         exited.add_done_callback(finished)
-        self._write_status(
+        self._status.write(
             run,
             phase="Running",
             ready=True,
             state={"running": {"startedAt": started_at}},
-            last_state=_terminated(run.last_termination),
+            last_state=terminated(run.last_termination),
         )
 
     @staticmethod
-    def _container_ended(run: _PodRun) -> None:
+    def _container_ended(run: PodRun) -> None:
         """Notes the main process's exit and ends what it left behind."""
         run.note_exit()
         if run.container is not None:
-            _end_leftovers(run.container)
+            end_leftovers(run.container)
 
-    async def _terminate(self, run: _PodRun) -> None:
+    async def _terminate(self, run: PodRun) -> None:
         """Graceful termination: SIGTERM to the main process, SIGKILL of the tree at the grace
         period's end (counted from when it is seen, as the kubelet counts it; a shorter grace
         seen later brings it forward), then the final status and the final delete."""
@@ -426,16 +347,16 @@ class Kubelet:
         if self._current(run) is None:
             return
         if run.last_termination is not None:
-            self._write_terminal(run)
+            self._status.terminal(run)
         self._api.delete("Pod", run.name, run.namespace)
 
-    async def _cancel(self, runs: list[_PodRun]) -> None:
+    async def _cancel(self, runs: list[PodRun]) -> None:
         tasks = [run.task for run in runs if run.task is not None and not run.task.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _end(self, run: _PodRun, *, graceful: bool) -> None:
+    async def _end(self, run: PodRun, *, graceful: bool) -> None:
         """Ends a run's container for good, writing nothing (a cancelled run, its task done)."""
         container = run.container
         if container is None:
@@ -448,158 +369,7 @@ class Kubelet:
                 container.known.update(kill_tree(container.pid))
         with contextlib.suppress(asyncio.CancelledError):
             await container.exited
-        _end_leftovers(container)  # writes nothing: the pod stays as the API has it
+        end_leftovers(container)  # writes nothing: the pod stays as the API has it
 
-    def _run_named(self, namespace: str, name: str) -> _PodRun | None:
+    def _run_named(self, namespace: str, name: str) -> PodRun | None:
         return next((r for r in self._runs.values() if (r.namespace, r.name) == (namespace, name)), None)
-
-    # --- status ------------------------------------------------------------------------
-
-    def _write_backing_off(self, run: _PodRun, backoff: float) -> None:
-        name = self._container_name(self._api.get("Pod", run.name, run.namespace) or {})
-        self._write_status(
-            run,
-            phase="Running",
-            ready=False,
-            state={
-                "waiting": {
-                    "reason": "CrashLoopBackOff",
-                    "message": f"back-off {backoff:g}s restarting failed container={name} "
-                    f"pod={run.name}_{run.namespace}({run.uid})",
-                }
-            },
-            last_state=_terminated(run.last_termination),
-        )
-
-    def _write_terminal(self, run: _PodRun) -> None:
-        """A terminal phase by the last exit code: that instance as the state, the one before
-        it as lastState."""
-        assert run.last_termination is not None
-        self._write_status(
-            run,
-            phase="Succeeded" if run.last_termination["exitCode"] == 0 else "Failed",
-            ready=False,
-            state=_terminated(run.last_termination),
-            last_state=_terminated(run.previous_termination),
-        )
-
-    @staticmethod
-    def _container_name(pod: dict[str, Any]) -> str:
-        containers = (pod.get("spec") or {}).get("containers") or [{}]
-        return containers[0].get("name") or "main"
-
-    def _write_status(
-        self, run: _PodRun, *, phase: str, ready: bool, state: dict[str, Any], last_state: dict[str, Any]
-    ) -> None:
-        """Writes the pod's status as the kubelet's status manager does: its own conditions,
-        the others (DisruptionTarget, ...) kept; the container's status replaced."""
-        pod = self._api.get("Pod", run.name, run.namespace)
-        if pod is None or pod["metadata"]["uid"] != run.uid:
-            return
-        now = timestamp(self._clock())
-        old = pod.get("status") or {}
-        terminal = phase in ("Succeeded", "Failed")
-        name = self._container_name(pod)
-        wanted = {
-            "PodReadyToStartContainers": not terminal,
-            "Initialized": True,
-            "Ready": ready,
-            "ContainersReady": ready,
-            "PodScheduled": True,
-        }
-        by_type = {c.get("type"): c for c in old.get("conditions") or []}
-        conditions = []
-        for kind in _KUBELET_CONDITIONS:
-            value = "True" if wanted[kind] else "False"
-            before = by_type.get(kind) or {}
-            condition: dict[str, Any] = {
-                "type": kind,
-                "status": value,
-                "lastProbeTime": None,
-                "lastTransitionTime": before.get("lastTransitionTime", now) if before.get("status") == value else now,
-            }
-            if kind in ("Ready", "ContainersReady") and not ready:
-                condition["reason"] = "PodCompleted" if terminal else "ContainersNotReady"
-                if not terminal:
-                    condition["message"] = f"containers with unready status: [{name}]"
-            conditions.append(condition)
-        conditions += [c for c in old.get("conditions") or [] if c.get("type") not in _KUBELET_CONDITIONS]
-        container = run.container
-        image = ((pod.get("spec") or {}).get("containers") or [{}])[0].get("image", "")
-        status: dict[str, Any] = {
-            "phase": phase,
-            "conditions": conditions,
-            "hostIP": "127.0.0.1",
-            "hostIPs": [{"ip": "127.0.0.1"}],
-            "podIP": "127.0.0.1",
-            "podIPs": [{"ip": "127.0.0.1"}],
-            "startTime": old.get("startTime") or run.start_time or now,
-            "containerStatuses": [
-                {
-                    "name": name,
-                    "image": image,
-                    "imageID": "",
-                    "containerID": f"process://{container.pid}" if container is not None else "",
-                    "ready": ready,
-                    "started": "running" in state,
-                    "restartCount": run.restart_count,
-                    "state": state,
-                    "lastState": last_state,
-                }
-            ],
-        }
-        written = self._api.patch("Pod", run.name, {"metadata": {"uid": run.uid}, "status": status}, run.namespace)
-        run.seen_version = written["metadata"]["resourceVersion"]  # our own write wakes nobody
-
-
-def _terminated(termination: dict[str, Any] | None) -> dict[str, Any]:
-    return {"terminated": dict(termination)} if termination else {}
-
-
-def _proc_table() -> dict[int, tuple[int, int, int]]:
-    """{pid: (ppid, session id, start ticks)} of every live process (zombies left out)."""
-    table: dict[int, tuple[int, int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()  # the command name may hold spaces and ')'
-        if fields[0] != "Z":
-            table[int(entry)] = (int(fields[1]), int(fields[3]), int(fields[19]))
-    return table
-
-
-def _leftovers(container: _Container) -> dict[int, int]:
-    """What is left of a container whose main process exited: the processes of its session
-    (the main process was its leader) and those last seen in its tree, with their
-    descendants. Everything here descends from a process the kubelet started."""
-    table = _proc_table()
-    roots = {pid: start for pid, start in container.known.items() if pid in table and table[pid][2] == start}
-    leader, leader_start = container.pid, container.start_ticks
-    # A session id is its leader's pid: trust it only while that pid is not someone else's now.
-    if leader not in table or table[leader][2] == leader_start:
-        roots.update({pid: t[2] for pid, t in table.items() if t[1] == leader and t[2] >= leader_start})
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found: dict[int, int] = {}
-    todo = list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in found:
-            found[pid] = table[pid][2]
-            todo.extend(children.get(pid, []))
-    return found
-
-
-def _end_leftovers(container: _Container) -> None:
-    """SIGKILLs what outlived the container's main process, as a runtime does when a
-    container's init exits; frozen first so that none forks in between."""
-    frozen: dict[int, int] = {}
-    while new := {pid: start for pid, start in _leftovers(container).items() if pid not in frozen}:
-        signal_known(new, signal.SIGSTOP)
-        frozen.update(new)
-    signal_known(frozen, signal.SIGKILL)

@@ -32,7 +32,7 @@ from regroup.records import (
 from regroup.rendezvous.handler import EtcdV3RendezvousHandler
 from regroup.rendezvous.settings import parse_settings
 from tests.rendezvous.agents import kill_all, wait_until as wait_for
-from tests.trainer.harness import events, write_config
+from tests.elastic.harness import events, write_config
 
 JOB = "job"
 

@@ -16,9 +16,9 @@ import pytest
 
 from regroup.demo.etcd_server import EtcdServer
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.trainer.harness import BackgroundTorchrun, flat_tensors, full_state, step_losses, write_config
-from tests.trainer.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
-from regroup.trainer.checkpoint_folders import latest_committed
+from tests.elastic.harness import BackgroundTorchrun, flat_tensors, full_state, step_losses, write_config
+from tests.elastic.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
+from regroup.elastic.checkpoint.folders import latest_committed
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def job(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterato
 @pytest.fixture
 def job_without_snapshots(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> Iterator[InPlaceJob]:
     """An unplanned loss then rolls back to the newest committed checkpoint (with snapshots
-    it costs one step: tests/trainer/test_snapshot_recovery.py)."""
+    it costs one step: tests/elastic/test_snapshot_recovery.py)."""
     running = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer={"snapshot": {"every": 0}})
     try:
         yield running

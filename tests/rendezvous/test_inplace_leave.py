@@ -31,7 +31,8 @@ import pytest
 
 from regroup.demo.etcd_server import EtcdServer
 from regroup.exit_codes import LEFT_JOB
-from regroup.rendezvous.inplace.agent import HANDOFF_TIMEOUT_S, LEAVING, LEFT_OUT, TERM_NOTICE
+from regroup.rendezvous.inplace.agent import HANDOFF_TIMEOUT_S, LEFT_OUT
+from regroup.rendezvous.inplace.agent_notice import LEAVING, TERM_NOTICE
 from regroup.rendezvous.inplace.channel import WAIT_EXPIRED
 from regroup.rendezvous.inplace.notice import TERM_MARGIN_S
 from tests.rendezvous.inplace_job import InPlaceJob, wait_for

@@ -21,7 +21,7 @@ from regroup.etcd import EtcdSettings, LoopThread, connect
 from regroup.exit_codes import LEFT_JOB
 from regroup.keys import JobKeys
 from regroup.records import ControllerPresence
-from regroup.rendezvous.inplace.agent import TERM_NOTICE
+from regroup.rendezvous.inplace.agent_notice import TERM_NOTICE
 from regroup.rendezvous.inplace.launcher import STOPPED, stopped_by
 from tests.rendezvous.agents import wait_until
 

@@ -73,7 +73,7 @@ def test_an_exit_during_a_reform_is_told_with_its_likely_cause(
     assert found.note == f"{REFORM_EXIT} (exit {exitcode}): {LIKELY_CAUSE}"
     assert found.note == (
         f"the worker exited during an in-place re-form (exit {exitcode}): a wrapper or `except` in the script "
-        "likely caught the re-form; put @elastic.in_place outermost or let regroup.trainer.elastic.Reform through"
+        "likely caught the re-form; put @elastic.in_place outermost or let regroup.elastic.Reform through"
     )
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from regroup.records import CheckpointRequest
-from regroup.trainer.batching import BatchSplitError, plan_batches
-from regroup.trainer.config import ConfigError
+from regroup.elastic.world.batching import BatchSplitError, plan_batches
+from regroup.elastic.settings import ConfigError
 from regroup.trainer.config_loading import config_from_dict, load_config
-from regroup.trainer.control import pending_generation
+from regroup.elastic.world.control import pending_generation
 from regroup.trainer.data import SyntheticTokens, TokenFile
 from regroup.trainer.schedule import lr_at
 

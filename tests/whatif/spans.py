@@ -37,8 +37,9 @@ class RecordedJob:
 
     def reform(self, cause: str, before: int, after: int, at: float, *, planned: bool = False, detect: float = 0.0,
                checkpoint: float = 0.0, rendezvous: float = 0.5, resume: float = 1.0, lost_steps: int = 0,
-               mode: str = "in-place", outcome: str = "completed") -> str:  # fmt: skip
-        """The controller's trace of one re-form detected ``at``; returns its trace id."""
+               mode: str = "in-place", outcome: str = "completed", reason: str = "") -> str:  # fmt: skip
+        """The controller's trace of one re-form detected ``at`` (``reason``: its plan's, the
+        cause by default); returns its trace id."""
         self.generation += 1
         decided = at + detect
         asked = decided + checkpoint
@@ -46,7 +47,7 @@ class RecordedJob:
         nodes = [f"n{i}" for i in range(max(before, after))]
         trace_id = new_trace_id("default", "job", self.generation, T0 + decided)
         plan = ReformPlan(
-            generation=self.generation, cause=cause, planned=planned, phase="done", reason=cause,
+            generation=self.generation, cause=cause, planned=planned, phase="done", reason=reason or cause,
             nodes_before=nodes[:before], nodes_after=nodes[:after], trace_id=trace_id,
             detected_at=T0 + at, decided_at=T0 + decided,
             checkpoint_requested_at=T0 + decided if planned else 0.0, acked_at=T0 + asked if planned else 0.0,
@@ -76,6 +77,15 @@ class RecordedJob:
         span = self.trainer.start_span("regroup.trainer.resume", context=parent, start_time=_ns(at))
         span.set_attributes(attributes)
         span.end(end_time=_ns(end))
+
+    def join(self, number: int, nodes: tuple[str, ...], at: float, formed: float) -> None:
+        """Each agent's ``regroup.rendezvous.join`` of round ``number``, from ``at`` until it formed."""
+        agents = self.provider.get_tracer("regroup.rendezvous")
+        for rank, node in enumerate(nodes):
+            attributes = {"regroup.job": "job", "regroup.node": node, "regroup.round": number, "regroup.rank": rank,
+                          "regroup.node_count": len(nodes), "regroup.restart_count": 0}  # fmt: skip
+            span = agents.start_span("regroup.rendezvous.join", start_time=_ns(at), attributes=attributes)
+            span.end(end_time=_ns(formed))
 
     def close(self) -> None:
         self.provider.shutdown()

@@ -72,20 +72,62 @@ def test_a_spans_file_with_nothing_to_go_on_is_named_and_exits_2(tmp_path: Path)
     job = RecordedJob(no_reform)
     job.trainer.start_span("regroup.trainer.step").end()
     job.close()
-    memory_only = tmp_path / "memory.jsonl"
-    job = RecordedJob(memory_only)
-    reclaim = job.reform("reclaim", 3, 2, 1.0, planned=True)
-    job.checkpoint(reclaim, 1.0, 0.2, step=5, world=3)
-    job.resume(reclaim, 1.5, 2.0, resumed_from=5, world=2)
+    # A re-form, and no checkpoint at all: a trainer that exports none.
+    no_checkpoint = tmp_path / "no-checkpoint.jsonl"
+    job = RecordedJob(no_checkpoint)
+    lost = job.reform("node-lost", 3, 2, 1.0)
+    job.resume(lost, 1.5, 2.0, resumed_from=5, world=2)
     job.close()
     cases = [
         (empty, f"{empty}: no spans in it"),
         (no_reform, f"{no_reform}: no re-form in it"),
         (tmp_path / "missing.jsonl", f"no spans file at {tmp_path / 'missing.jsonl'}"),
-        (memory_only, "give --checkpoint-cost"),
+        (no_checkpoint, "the spans record no checkpoint (no regroup.trainer.checkpoint span"),
     ]
     for path, message in cases:
         result = whatif(str(path), "--nodes", "4", "--loss-every", "1h")
         assert result.returncode == 2 and message in result.stderr, (path, result.stderr)
+        assert "give --checkpoint-cost" in result.stderr or path != no_checkpoint
         assert "Traceback" not in result.stderr
-    assert whatif(str(memory_only), "--nodes", "4", "--checkpoint-cost", "30s").returncode == 0
+    assert whatif(str(no_checkpoint), "--nodes", "4", "--checkpoint-cost", "30s").returncode == 0
+
+
+def test_the_checkpoint_cost_defaults_to_the_recorded_one_even_from_memory(tmp_path: Path) -> None:
+    """An in-place job acks every checkpoint from memory: its spans hold what those cost, and
+    that is the default (said so), not an exit 2 asking for ``--checkpoint-cost``."""
+    memory_only = tmp_path / "memory.jsonl"
+    job = RecordedJob(memory_only)
+    reclaim = job.reform("reclaim", 3, 2, 1.0, planned=True)
+    job.checkpoint(reclaim, 1.0, 0.2, step=5, world=3)
+    job.resume(reclaim, 1.5, 2.0, resumed_from=5, world=2)
+    grow = job.reform("grow", 2, 3, 9.0, planned=True)
+    job.checkpoint(grow, 9.0, 0.4, step=25, world=2)
+    job.resume(grow, 9.5, 10.0, resumed_from=25, world=3)
+    job.close()
+    result = whatif(str(memory_only), "--nodes", "4", "--loss-every", "1h")
+    assert result.returncode == 0, result.stderr
+    assert ("checkpoint 0.3s (recorded: 2 acked from memory, no save to storage in the spans; --checkpoint-cost "
+            "for one)") in result.stdout  # fmt: skip
+    report = json.loads(whatif(str(memory_only), "--nodes", "4", "--loss-every", "1h", "--json").stdout)
+    assert report["costs"]["checkpoint"]["seconds"] == pytest.approx(0.3)
+    # A save to storage in the spans is what C is, whatever the acks from memory cost.
+    stored = churned_job(tmp_path / "stored.jsonl")
+    report = json.loads(whatif(str(stored), "--nodes", "4", "--loss-every", "1h", "--json").stdout)
+    assert report["costs"]["checkpoint"] == {"seconds": pytest.approx(0.1), "source": "recorded"}
+    # The option still wins.
+    report = json.loads(whatif(str(memory_only), "--nodes", "4", "--checkpoint-cost", "30s", "--json").stdout)
+    assert report["costs"]["checkpoint"] == {"seconds": 30.0, "source": "--checkpoint-cost"}
+
+
+def test_the_help_names_the_strategies_the_output_prints(tmp_path: Path) -> None:
+    helped = whatif("--help")
+    assert helped.returncode == 0
+    text = " ".join(helped.stdout.split())
+    assert "four ways" not in text
+    assert ("three strategies (in-place elastic, restart elastic, fixed size with checkpoint-restart), and a fourth "
+            "with --spares (fixed size + spares)") in text  # fmt: skip
+    assert "default: recorded: the trainers' saves to storage in the spans, else their checkpoints acked from memory" in text
+    spans = churned_job(tmp_path / "spans.jsonl")
+    for extra, count in (([], 3), (["--spares", "1"], 4)):
+        report = json.loads(whatif(str(spans), "--nodes", "8", "--loss-every", "1h", "--json", *extra).stdout)
+        assert len(report["strategies"]) == count, report["strategies"]

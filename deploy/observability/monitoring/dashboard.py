@@ -261,7 +261,7 @@ def jobs() -> list[Stat | Timeseries]:
         ),
         timeseries(
             "Rendezvous rounds and flapping",
-            "Rounds per interval, and 1 while rounds come faster than the flapping threshold.", "short",
+            "Rounds per interval, and 1 while rounds give way before a training step faster than the flapping threshold.", "short",
             [(f"sum by (namespace, job) (increase(regroup_rendezvous_rounds_total{{{JOBS}}}[$__rate_interval]))",
               "rounds {{namespace}}/{{job}}"),
              (f"max by (namespace, job) (regroup_rendezvous_flapping{{{JOBS}}})", "flapping {{namespace}}/{{job}}")],

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from regroup.demo.etcd_server import EtcdServer
-from tests.rendezvous.conformance.runner import C10d, EtcdV3, child_env, launcher_for, run_all, table
+from tests.rendezvous.conformance.backends import C10d, EtcdV3
+from tests.rendezvous.conformance.processes import child_env, launcher_for
+from tests.rendezvous.conformance.runner import run_all, table
 from tests.rendezvous.conformance.scenarios import C10D_KNOWN_FAILURES, NOT_APPLICABLE, SCENARIOS
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,300 @@
+"""One etcd, many tenants: each job's etcd identity lets its workers touch only their own
+job's keys, and only those a worker writes (real etcd 3.4 with TLS and client-certificate
+auth, bootstrapped by the real ``regroup etcd-auth bootstrap``; no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from regroup.etcd import PermissionDenied, is_permission_denied, open_watch
+from regroup.etcd.auth import (
+    Access,
+    Grant,
+    auth_enabled,
+    ensure_job_identity,
+    ensure_role,
+    ensure_user,
+    job_grants,
+    job_identities,
+    job_of_user,
+    job_user,
+    remove_job_identity,
+)
+from regroup.etcd.settings import certificate_cn
+from regroup.keys import JobKeys
+from tests.etcd_helpers import AuthEtcd, auth_etcd, bootstrap_cli
+
+NS = "ml"
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthEtcd]:
+    """One authenticated etcd for the module; each test uses jobs of its own."""
+    with auth_etcd(tmp_path_factory.mktemp("auth-etcd")) as server:
+        yield server
+
+
+async def denied(call: Any) -> PermissionDenied:
+    """What ``call`` (an awaitable etcd request) raised: it must be a permission denial."""
+    with pytest.raises(PermissionDenied) as raised:
+        await call
+    return raised.value
+
+
+def test_a_jobs_role_grants_exactly_what_its_workers_write() -> None:
+    keys = JobKeys(NS, "llama")
+    assert job_user(keys) == "regroup:job:ml:llama"
+    assert job_of_user("regroup:job:ml:llama") == keys
+    assert job_of_user("regroup:job:ml:a:b") == JobKeys(NS, "a:b")
+    assert job_of_user("regroup-controller") is None and job_of_user("regroup:job:ml") is None
+    r = "/regroup/jobs/ml/llama/"
+    assert set(job_grants(keys)) == {
+        Grant(Access.READ, r, prefix=True),
+        Grant(Access.READWRITE, r + "members/", prefix=True),
+        Grant(Access.READWRITE, r + "rdzv/", prefix=True),
+        Grant(Access.READWRITE, r + "acks/", prefix=True),
+        Grant(Access.READWRITE, r + "progress"),
+        Grant(Access.READ, "/regroup/finished/ml/llama"),
+    }
+    assert Grant(Access.READ, r, prefix=True).range_end == b"/regroup/jobs/ml/llama0"
+    assert Grant(Access.READ, r + "progress").range_end == b""
+
+
+def test_bootstrap_is_idempotent_and_refuses_any_identity_but_root(auth: AuthEtcd, capsys: Any) -> None:
+    first = auth.bootstrapped.splitlines()
+    assert first[:2] == ["role root created", "user root created (no password: its certificate's CN)"], first
+    assert f"user {auth.CONTROLLER}: role root granted" in first and "authentication enabled" in first
+    code, said = bootstrap_cli(auth)
+    assert code == 0 and "nothing to do" in said, said
+    from regroup import cli
+
+    cert, key = auth.pki.client(auth.CONTROLLER)
+    assert certificate_cn(cert) == auth.CONTROLLER
+    args = ["etcd-auth", "bootstrap", "--etcd", auth.endpoint, "--etcd-cacert", str(auth.pki.ca),
+            "--etcd-cert", str(cert), "--etcd-key", str(key)]  # fmt: skip
+    assert cli.main(args) == 2
+    assert f"CN is root (this one is {auth.CONTROLLER!r})" in capsys.readouterr().err
+
+
+async def test_a_workers_of_one_job_cannot_touch_another_jobs_keys(auth: AuthEtcd) -> None:
+    a, b = JobKeys(NS, "tenant-a"), JobKeys(NS, "tenant-b")
+    async with auth.client(auth.CONTROLLER) as controller:
+        assert await auth_enabled(controller)
+        for keys in (a, b):
+            await ensure_job_identity(controller, keys)
+        await controller.put(a.member("n0").encode(), b"a's member")
+    async with auth.client(job_user(b)) as worker_b:
+        assert worker_b.identity == job_user(b)
+        with capture_logs() as logs:
+            calls = {
+                "range of the prefix": lambda: worker_b.get_prefix(a.root.encode()),
+                "get": lambda: worker_b.get(a.member("n0").encode()),
+                "put": lambda: worker_b.put(a.member("n1").encode(), b"b's"),
+                "delete": lambda: worker_b.delete(a.member("n0").encode()),
+            }
+            for operation, call in calls.items():
+                error = await denied(call())
+                assert error.operation == operation and error.key.startswith(a.root) and is_permission_denied(error)
+                assert f"etcd denied {operation} on {a.root}" in str(error) and job_user(b) in str(error)
+            await denied(worker_b.get(a.member("n0").encode()))  # a second time: not logged again
+        assert len([e for e in logs if "etcd denied" in e["event"]]) == 4, logs
+        # A refused watch is "created" with id -1 and would never deliver: it is raised.
+        error = await denied(open_watch(worker_b, a.root.encode(), start_revision=1))
+        assert error.operation == "watch" and error.key == f"{a.root} (prefix)"
+        # Its own job is open to it.
+        await worker_b.put(b.member("n0").encode(), b"b's member")
+        assert (await worker_b.get(b.member("n0").encode())).value == b"b's member"
+    async with auth.client(auth.CONTROLLER) as controller:
+        assert (await controller.get(a.member("n0").encode())).value == b"a's member"
+        assert await controller.get(a.member("n1").encode()) is None
+
+
+async def test_a_worker_reads_its_control_keys_and_tombstone_but_writes_none(auth: AuthEtcd) -> None:
+    own, other = JobKeys(NS, "writer"), JobKeys(NS, "neighbour")
+    async with auth.client(auth.CONTROLLER) as controller:
+        await ensure_job_identity(controller, own)
+        await controller.put(own.checkpoint.encode(), b"checkpoint now")
+        await controller.put(own.tombstone.encode(), b"finished")
+    async with auth.client(job_user(own)) as worker, auth.client(auth.CONTROLLER) as controller:
+        for call in (
+            worker.put(own.status.encode(), b"x"),
+            worker.put(own.controller.encode(), b"x"),
+            worker.delete(own.checkpoint.encode()),
+            worker.put(own.tombstone.encode(), b"x"),
+            worker.delete(own.tombstone.encode()),
+            worker.put(other.tombstone.encode(), b"x"),
+            worker.get(other.tombstone.encode()),
+        ):
+            await denied(call)
+        txn = worker.transactions
+        error = await denied(worker.transaction(compare=[txn.mod(own.checkpoint.encode()) > 0],
+                                                success=[txn.delete(own.checkpoint.encode())], failure=[]))
+        assert str(error).startswith(f"etcd denied a transaction on {own.checkpoint} to identity {job_user(own)!r}")
+        assert (await worker.get(own.checkpoint.encode())).value == b"checkpoint now"
+        assert (await worker.get(own.tombstone.encode())).value == b"finished"
+        tombstone = await worker.get_range(own.tombstone.encode(), own.tombstone.encode() + b"\0")
+        assert [kv.value for kv in tombstone] == [b"finished"]
+        # A watch of a control key delivers what the controller writes.
+        watch = await open_watch(worker, own.reform.encode(), start_revision=tombstone.header.revision + 1,
+                                 prefix=False)
+        try:
+            await controller.put(own.reform.encode(), b"re-form now")
+            async with asyncio.timeout(10):
+                event = await anext(aiter(watch))
+            assert event.kv.value == b"re-form now"
+        finally:
+            await watch.cancel()
+
+
+async def test_a_jobs_identity_is_made_exact_again_and_removed_idempotently(auth: AuthEtcd) -> None:
+    keys = JobKeys(NS, "drifting")
+    name = job_user(keys)
+    async with auth.client(auth.CONTROLLER) as controller:
+        first = await ensure_job_identity(controller, keys)
+        assert f"role {name} created" in first and f"user {name} created (no password: its certificate's CN)" in first
+        assert await ensure_job_identity(controller, keys) == []
+        # Someone widened the role by hand and gave the user root: the next ensure takes both back.
+        wider = [*job_grants(keys), Grant(Access.READWRITE, "/regroup/", prefix=True)]
+        assert await ensure_role(controller, name, wider) == [f"role {name}: granted READWRITE /regroup/*"]
+        assert await ensure_user(controller, name, (name, "root"), exact=True) == [f"user {name}: role root granted"]
+        fixed = await ensure_job_identity(controller, keys)
+        assert any("revoked /regroup/" in c for c in fixed) and f"user {name}: role root revoked" in fixed, fixed
+        assert keys in await job_identities(controller)
+        assert await remove_job_identity(controller, keys)
+        assert not await remove_job_identity(controller, keys), "nothing left to remove"
+        assert keys not in await job_identities(controller)
+        # The same job name under another prefix (another controller on this etcd) is not ours.
+        elsewhere = JobKeys(NS, "drifting", "/staging/jobs")
+        await ensure_job_identity(controller, elsewhere)
+        assert not await remove_job_identity(controller, keys)
+        assert elsewhere in await job_identities(controller, "/staging/jobs")
+        assert await remove_job_identity(controller, elsewhere)
+    async with auth.client(name) as worker:
+        await denied(worker.put(keys.progress.encode(), b"x"))
+
+
+def test_a_certificates_cn_is_read_without_cryptography(tmp_path: Path, auth: AuthEtcd) -> None:
+    cert, _ = auth.pki.client("regroup:job:ml:tenant-a")
+    assert certificate_cn(cert) == "regroup:job:ml:tenant-a"
+    assert auth.settings("regroup:job:ml:tenant-a").identity == "regroup:job:ml:tenant-a"
+    (tmp_path / "junk.crt").write_text("-----BEGIN CERTIFICATE-----\nnot der\n-----END CERTIFICATE-----\n")
+    assert certificate_cn(tmp_path / "junk.crt") is None
+
+
+# --- the real workers under their job's identity ------------------------------------------
+
+FAST = {"lease_ttl": "2", "last_call_timeout": "0.3", "join_timeout": "20"}
+
+
+def as_controller(auth: AuthEtcd, action: Any) -> Any:
+    """``action(client)`` as the controller's identity, from synchronous code."""
+
+    async def run() -> Any:
+        async with auth.client(auth.CONTROLLER) as client:
+            return await action(client)
+
+    return asyncio.run(run())
+
+
+def agent(auth: AuthEtcd, keys: JobKeys, node: str, cn: str, **conf: str) -> Any:
+    """The job's etcd-v3 torchrun agent on ``node``, presenting the certificate of ``cn``
+    (blocks until it has listed the job's keys)."""
+    from regroup.rendezvous.handler import EtcdV3RendezvousHandler
+    from regroup.rendezvous.settings import parse_settings
+
+    return EtcdV3RendezvousHandler(parse_settings(
+        endpoint=auth.endpoint, run_id=keys.job, min_nodes=2, max_nodes=2,
+        conf={**FAST, **auth.rdzv_conf(cn), **conf},
+        env={"NODE_NAME": node, "POD_NAME": f"{keys.job}-{node}", "POD_NAMESPACE": keys.namespace},
+        local_addr="127.0.0.1",
+    ))  # fmt: skip
+
+
+def test_a_jobs_agents_and_rank_zero_work_under_its_identity_granted_after_they_started(auth: AuthEtcd) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from regroup.elastic.settings import EtcdConfig
+    from regroup.elastic.world.control import JobChannel
+    from regroup.records import CheckpointAck, CheckpointRequest, Progress, ReformRequest
+    from tests.rendezvous.agents import wait_until
+
+    keys = JobKeys(NS, "rendezvous")
+    name = job_user(keys)
+    handlers: list[Any] = []
+
+    def join(node: str) -> Any:
+        handler = agent(auth, keys, node, name)
+        handlers.append(handler)
+        return handler.next_rendezvous()
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    channel = None
+    try:
+        with capture_logs() as logs:
+            joins = [pool.submit(join, node) for node in ("n0", "n1")]
+            # Both agents started before the controller made the job's identity: refused, they wait.
+            wait_until(lambda: len({e.get("key") for e in logs if "etcd denied" in e["event"]}) >= 1, 20,
+                       "the agents' first denial")
+            assert not any(j.done() for j in joins)
+            as_controller(auth, lambda c: ensure_job_identity(c, keys))
+            infos = [j.result(20) for j in joins]
+        assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+        # The round's c10d store: set, get, add, check, delete, in rdzv/rounds/.
+        infos[0].store.set("master", "127.0.0.1:29500")
+        assert infos[1].store.get("master") == b"127.0.0.1:29500"
+        assert infos[0].store.add("counter", 2) == 2 and infos[1].store.add("counter", 3) == 5
+        assert infos[1].store.check(["master", "counter"])
+        assert infos[0].store.delete_key("master")
+
+        # Rank 0's channel: control keys read and watched, ack and progress written.
+        cert, key = auth.pki.client(name)
+        channel = JobChannel(EtcdConfig(endpoint=auth.endpoint, job=keys.job, namespace=NS, cacert=str(auth.pki.ca),
+                                        cert=str(cert), key=str(key)))
+        channel.start()
+        request = CheckpointRequest(generation=1, deadline=time.time() + 60, reason="reclaim of n1")
+        as_controller(auth, lambda c: c.put(keys.checkpoint.encode(), request.to_json()))
+        wait_until(lambda: channel.request() == request, 10, "the checkpoint request, watched")
+        ack = CheckpointAck(generation=1, step=7, checkpoint_id="step-7", duration_s=0.1, world_size=2)
+        assert channel.ack(ack, deadline=request.deadline)
+        progress = Progress(step=8, loss=0.5, samples_seen=64, world_size=2, time=time.time())
+        channel.publish_progress(progress, wait=True)
+
+        async def written(client: Any) -> tuple[bytes, bytes]:
+            return (await client.get(keys.ack(1).encode())).value, (await client.get(keys.progress.encode())).value
+
+        assert as_controller(auth, written) == (ack.to_json(), progress.to_json())
+
+        # A re-form the controller asks for: the agents' watch sees it, the next round closes
+        # (deleting the earlier round's store), then the run is closed.
+        reform = ReformRequest(generation=2, cause="manual")
+        as_controller(auth, lambda c: c.put(keys.reform.encode(), reform.to_json()))
+        wait_until(lambda: all(h.num_nodes_waiting() for h in handlers), 10, "the re-form request, watched")
+        futures = [pool.submit(h.next_rendezvous) for h in handlers]
+        assert {f.result(20).world_size for f in futures} == {2}
+        assert handlers[0].round == 2
+        handlers[0].set_closed()
+        wait_until(handlers[1].is_closed, 10, "the closed run, watched by the other agent")
+    finally:
+        if channel is not None:
+            channel.close()
+        for handler in handlers:
+            handler.shutdown()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_an_agent_whose_identity_is_never_granted_gives_up_naming_the_denial(auth: AuthEtcd) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    keys = JobKeys(NS, "ungranted")
+    with pytest.raises(RendezvousConnectionError) as raised:
+        agent(auth, keys, "n0", job_user(keys), join_timeout="1")
+    text = str(raised.value)
+    assert "kept denying this agent the job's keys for 1s" in text
+    assert f"etcd denied range on {keys.tombstone} to identity {job_user(keys)!r}" in text, text
