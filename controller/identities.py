@@ -66,23 +66,29 @@ def plan_identities(
     synced: bool,
     backoff: Mapping[JobId, float],
     now: float,
+    gone_since: Mapping[JobId, float] | None = None,
+    grace: float = 0.0,
 ) -> IdentityPlan:
     """For each ``touched`` job: a ``tracked`` one needs its identity, unless this controller
     ``made`` (or checked) it already; one no longer tracked loses its identity if there is
     one (``made`` here, or ``present`` in etcd's listing), but only once the model is
-    ``synced``. A job ``backoff`` holds until after ``now`` waits until then."""
+    ``synced`` and the job has been gone ``grace`` seconds (since ``gone_since[job]``). A job
+    ``backoff`` holds until after ``now`` waits until then."""
     ensure, remove, later = [], [], []
     wake_at: float | None = None
     for job in touched:
+        until = backoff.get(job)
         if job in tracked:
             if job in made:
                 continue
             todo = ensure
         elif synced and (job in made or job in present):
             todo = remove
+            gone_until = (gone_since or {}).get(job, now) + grace
+            if gone_until > now:
+                until = gone_until if until is None else max(until, gone_until)
         else:
             continue
-        until = backoff.get(job)
         if until is not None and until > now:
             later.append(job)
             wake_at = until if wake_at is None else min(wake_at, until)
@@ -108,6 +114,8 @@ class JobIdentities:
         """Jobs with a user in etcd, as last listed (and changed by this controller since)."""
         self._backoff_until: dict[JobId, float] = {}
         self._backoff: dict[JobId, float] = {}
+        self._gone_since: dict[JobId, float] = {}
+        """When each job this controller saw go stopped being tracked."""
 
     def touch(self, job: JobId) -> None:
         """``job`` started or stopped being tracked: look at its identity."""
@@ -125,8 +133,14 @@ class JobIdentities:
                 await self._list(model)
                 next_listing = now + self._settings.runtime.resync.total_seconds()
             touched, self._pending = self._pending, set()
+            for job in touched:
+                if job in model.jobs:
+                    self._gone_since.pop(job, None)
+                else:
+                    self._gone_since.setdefault(job, now)
             plan = plan_identities(touched, model.jobs, self.made, self.present, synced=model.synced,
-                                   backoff=self._backoff_until, now=now)
+                                   backoff=self._backoff_until, now=now, gone_since=self._gone_since,
+                                   grace=self._settings.runtime.etcd_identity_grace.total_seconds())
             self._pending.update(plan.later)
             limit = asyncio.Semaphore(CONCURRENT)
             await asyncio.gather(*(self._ensure(job, model, events, limit) for job in plan.ensure),
@@ -198,6 +212,7 @@ class JobIdentities:
                             user=job_user(keys), error=f"{type(exc).__name__}: {exc}", retry_in=delay)
                 return
         self._succeeded(job)
+        self._gone_since.pop(job, None)
         self.made.discard(job)
         self.present.discard(job)
         if removed:

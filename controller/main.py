@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import structlog
@@ -44,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "left: its workers may then touch only their own job's keys, and only those a worker "
                              "writes. Needs etcd auth bootstrapped (regroup etcd-auth bootstrap) and this controller "
                              "connecting as a user of role root (default off)")
+    parser.add_argument("--etcd-identity-grace", type=_grace, default=RuntimeSettings.etcd_identity_grace,
+                        metavar="DURATION",
+                        help="with --etcd-job-identities: how long a job is gone before its identity is removed "
+                             "(default 30s; each change of etcd's users and roles makes in-flight requests retry)")
     parser.add_argument("--listen-address", type=_listen_address, default=RuntimeSettings.http_host, metavar="ADDRESS",
                         help="address the /metrics, /healthz, /readyz server binds: e.g. the pod IP or 127.0.0.1 "
                              "(default %(default)s: every IPv4 address of the host)")
@@ -82,11 +87,20 @@ def _listen_address(text: str) -> str:
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
+def _grace(text: str) -> timedelta:
+    """``--etcd-identity-grace``: a duration (argparse names the flag on a bad one)."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def settings_from_args(args: argparse.Namespace) -> tuple[ControllerSettings, EtcdSettings]:
     identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     base = ControllerSettings()
     runtime = dataclasses.replace(base.runtime, identity=identity, workers=args.workers, http_host=args.listen_address,
-                                  etcd_job_identities=args.etcd_job_identities)
+                                  etcd_job_identities=args.etcd_job_identities,
+                                  etcd_identity_grace=args.etcd_identity_grace)
     settings = dataclasses.replace(base, runtime=runtime, cleanup=args.retention)
     return settings, etcd_settings(args)
 

@@ -144,6 +144,12 @@ class RuntimeSettings:
     job is seen and removed once nothing of it is left (``--etcd-job-identities``). The
     controller's own etcd identity must then hold etcd's ``root`` role: etcd has no narrower
     permission for managing users and roles."""
+    etcd_identity_grace: timedelta = timedelta(seconds=30)
+    """How long a job has been gone (no pods, keys or tombstone) before its etcd identity is
+    removed: a removal is never urgent, and a job seen gone for a moment (its keys deleted in
+    the same step as its tombstone was written, a pod replaced) keeps it instead of having it
+    removed and made again, each change of etcd's users and roles making every job's
+    in-flight requests try again."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:

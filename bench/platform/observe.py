@@ -98,7 +98,8 @@ class EtcdGateway:
 
     def _send(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         headers = {"Authorization": self._token} if self._token else {}
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST", headers=headers)
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="POST", headers=headers)
         return dict(json.loads(self._open(request, timeout) or b"{}"))
 
     def _post(self, path: str, body: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:

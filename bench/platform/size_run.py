@@ -233,7 +233,7 @@ async def _end(platform: Platform, leases_start: int) -> dict[str, Any]:
     jobs = platform.jobs
     live = [j for j in jobs.all.values() if not j.ended]
     finished = await asyncio.gather(*(jobs.finish(j, platform.news, FINISH_TIMEOUT) for j in live))
-    left = await check_leftovers(platform.gateway, NAMESPACE, list(jobs.all), leases_start, s.timing.lease_ttl, s.retention,
-                                 identities=s.auth)  # fmt: skip
+    left = await check_leftovers(platform.gateway, NAMESPACE, list(jobs.all), leases_start, s.timing.lease_ttl,
+                                 s.retention, identities=s.auth)  # fmt: skip
     (s.root / "leftovers.json").write_text(json.dumps(left.pop("keys_by_job"), indent=1) + "\n")
     return {**left, "not_finished_in_time": finished.count(False), "retention_s": s.retention.total_seconds()}

@@ -3,6 +3,8 @@ errors callers see, and turning on authentication."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +38,13 @@ again. ``OSError`` covers ``TimeoutError`` (``asyncio.TimeoutError`` on 3.11) an
 job's worker may start before the controller granted the job's role."""
 
 DENIED = "etcdserver: permission denied"
+AUTH_STORE_CHANGED = "etcdserver: revision of auth store is old"
+"""etcd's answer to a request whose permission check overlapped a change of its users or
+roles (the controller making or removing a job's identity): nothing was done, and the same
+request a moment later goes through."""
+AUTH_RACE_RETRIES = 6
+"""Times a key-value call refused with ``AUTH_STORE_CHANGED`` is sent again (10 ms, doubling:
+about 0.6 s in all) before the error reaches the caller."""
 
 
 class PermissionDenied(ClientError):
@@ -106,18 +115,25 @@ class _Client(aetcd.Client):
         """Who etcd takes this client for (``EtcdSettings.identity``)."""
         self._reported: set[tuple[str, str]] = set()
 
-    async def _named(self, operation: str, what: Callable[[], str], call: Awaitable[T]) -> T:
-        """Await ``call``; a denial is raised naming ``operation`` and the keys ``what()``
-        describes (worked out only then: most calls succeed)."""
-        try:
-            return await call
-        except ClientError as exc:
-            if not is_permission_denied(exc):
-                raise
-            denied = exc if isinstance(exc, PermissionDenied) else PermissionDenied(str(exc) or DENIED)
-            named = denied.about(operation, what(), self.identity)
-            self.report(named)
-            raise named from exc
+    async def _named(self, operation: str, what: Callable[[], str], call: Callable[[], Awaitable[T]]) -> T:
+        """Await ``call()``; a denial is raised naming ``operation`` and the keys ``what()``
+        describes (worked out only then: most calls succeed). A call that overlapped a change
+        of etcd's users or roles is sent again (``AUTH_STORE_CHANGED``)."""
+        for attempt in range(AUTH_RACE_RETRIES + 1):
+            try:
+                return await call()
+            except aetcd.exceptions.InvalidArgumentError as exc:
+                if AUTH_STORE_CHANGED not in str(exc) or attempt == AUTH_RACE_RETRIES:
+                    raise
+                await asyncio.sleep(0.01 * 2**attempt)
+            except ClientError as exc:
+                if not is_permission_denied(exc):
+                    raise
+                denied = exc if isinstance(exc, PermissionDenied) else PermissionDenied(str(exc) or DENIED)
+                named = denied.about(operation, what(), self.identity)
+                self.report(named)
+                raise named from exc
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def report(self, denied: PermissionDenied) -> None:
         """Log ``denied`` the first time its operation and key are denied to this client."""
@@ -133,38 +149,41 @@ class _Client(aetcd.Client):
         )  # fmt: skip
 
     async def get(self, key: bytes, *args: Any, **kwargs: Any) -> Any:
-        return await self._named("get", lambda: describe_keys([key]), super().get(key, *args, **kwargs))
+        call = functools.partial(super().get, key, *args, **kwargs)
+        return await self._named("get", lambda: describe_keys([key]), call)
 
     async def get_prefix(self, key_prefix: bytes, *args: Any, **kwargs: Any) -> Any:
-        call = super().get_prefix(key_prefix, *args, **kwargs)
+        call = functools.partial(super().get_prefix, key_prefix, *args, **kwargs)
         return await self._named("range of the prefix", lambda: describe_keys([key_prefix]), call)
 
     async def get_range(self, range_start: bytes, range_end: bytes, *args: Any, **kwargs: Any) -> Any:
-        call = super().get_range(range_start, range_end, *args, **kwargs)
+        call = functools.partial(super().get_range, range_start, range_end, *args, **kwargs)
         return await self._named("range", lambda: _describe_range(range_start, range_end), call)
 
     async def put(self, key: bytes, value: bytes, *args: Any, **kwargs: Any) -> Any:
-        return await self._named("put", lambda: describe_keys([key]), super().put(key, value, *args, **kwargs))
+        call = functools.partial(super().put, key, value, *args, **kwargs)
+        return await self._named("put", lambda: describe_keys([key]), call)
 
     async def delete(self, key: bytes, *args: Any, **kwargs: Any) -> Any:
-        return await self._named("delete", lambda: describe_keys([key]), super().delete(key, *args, **kwargs))
+        call = functools.partial(super().delete, key, *args, **kwargs)
+        return await self._named("delete", lambda: describe_keys([key]), call)
 
     async def delete_prefix(self, key_prefix: bytes, *args: Any, **kwargs: Any) -> Any:
-        call = super().delete_prefix(key_prefix, *args, **kwargs)
+        call = functools.partial(super().delete_prefix, key_prefix, *args, **kwargs)
         return await self._named("delete of the prefix", lambda: describe_keys([key_prefix]), call)
 
     async def delete_range(self, range_start: bytes, range_end: bytes, *args: Any, **kwargs: Any) -> Any:
-        call = super().delete_range(range_start, range_end, *args, **kwargs)
+        call = functools.partial(super().delete_range, range_start, range_end, *args, **kwargs)
         return await self._named("delete of the range", lambda: _describe_range(range_start, range_end), call)
 
     async def transaction(self, compare: Any, success: Any = None, failure: Any = None) -> Any:
         ops = (*compare, *(success or ()), *(failure or ()))
-        call = super().transaction(compare, success, failure)
+        call = functools.partial(super().transaction, compare, success, failure)
         keys = lambda: describe_keys(k for op in ops if (k := getattr(op, "key", b"")))  # noqa: E731
         return await self._named("a transaction", keys, call)
 
     async def revoke_lease(self, lease_id: int) -> Any:
-        call = super().revoke_lease(lease_id)
+        call = functools.partial(super().revoke_lease, lease_id)
         return await self._named("revoke", lambda: f"lease {lease_id:x} (and every key bound to it)", call)
 
 

@@ -113,7 +113,8 @@ def _size(jobs: int, auth: str, etcd_cores: float, controller_cores: float) -> d
     return {
         "jobs": jobs, "auth": auth, "agents_per_job": 4, "window_s": 60.0, "load_before": 0.5, "leases": 5,
         "rates": dict.fromkeys(COUNTERS, 1.0), "gauges": dict.fromkeys(GAUGES, 1.0), "grpc_per_s": {"Put": 1.0},
-        "processes": {"etcd": {**usage, "cpu_cores": etcd_cores}, "controller": {**usage, "cpu_cores": controller_cores},
+        "processes": {"etcd": {**usage, "cpu_cores": etcd_cores},
+                      "controller": {**usage, "cpu_cores": controller_cores},
                       **{name: {**usage, "cpu_cores": 0.01} for name in ("agent_hosts", "probe_host", "bench")}},
         "probe": dict.fromkeys(KINDS, probe), "profiles": {}, "errors": [],
         "end": {"ended_jobs": jobs + 1, "jobs_with_keys": 0, "keys_left": 0, "key_kinds": {}, "tombstones": 0,

@@ -38,7 +38,7 @@ def settings(retention: float = 1.0) -> ControllerSettings:
     base = fast_settings()
     return dataclasses.replace(
         base, cleanup=CleanupSettings(retention=timedelta(seconds=retention)),
-        runtime=dataclasses.replace(base.runtime, etcd_job_identities=True),
+        runtime=dataclasses.replace(base.runtime, etcd_job_identities=True, etcd_identity_grace=timedelta(seconds=0.3)),
     )  # fmt: skip
 
 
@@ -73,6 +73,14 @@ def test_which_identities_to_make_and_remove_is_decided_purely() -> None:
     assert waiting.ensure == waiting.remove == () and waiting.later == (a, c) and waiting.wake_at == 11.0
     due = plan_identities([a], tracked={a: 1}, made=set(), present=set(), synced=True, backoff={a: 12.0}, now=12.0)
     assert due.ensure == (a,)
+    # A job gone for less than the grace keeps its identity (a job seen gone for a moment is
+    # not removed and made again); past it, the identity goes.
+    young = plan_identities([c], tracked={}, made={c}, present={c}, synced=True, backoff={}, now=10.0,
+                            gone_since={c: 9.0}, grace=30.0)
+    assert (young.remove, young.later, young.wake_at) == ((), (c,), 39.0)
+    old = plan_identities([c], tracked={}, made={c}, present={c}, synced=True, backoff={}, now=39.0,
+                          gone_since={c: 9.0}, grace=30.0)
+    assert old.remove == (c,)
 
 
 async def test_a_jobs_identity_lives_from_its_first_pod_until_its_tombstone_is_gone(
