@@ -327,10 +327,10 @@ class CommandChecker:
             if not prefix and callable(getattr(runnable, "build_parser", None)):
                 try:
                     parser = runnable.build_parser()
-                    if isinstance(parser, argparse.ArgumentParser):
-                        return parser
-                except Exception:
-                    pass
+                except Exception:  # noqa: BLE001 - a build_parser that needs arguments: use main's below
+                    parser = None
+                if isinstance(parser, argparse.ArgumentParser):
+                    return parser
             main = getattr(runnable, "main", None)
             return capture_parser(main, list(prefix), argv0=module) if callable(main) else None
 

@@ -447,8 +447,9 @@ class _Scope:
             try:
                 if importlib.util.find_spec(submodule) is not None:
                     return _known(importlib.import_module(submodule))
-            except Exception:
-                pass
+            except Exception as exc:  # noqa: BLE001 - a submodule that fails to import is reported
+                self.problem(node, f"{submodule}: {exc!r}")
+                return None
             self.problem(node, f"{module.__name__} has no attribute {name!r}")
             return None
         if base.kind == "object":
