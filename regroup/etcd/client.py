@@ -4,6 +4,7 @@ errors callers see, and turning on authentication."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -199,6 +200,27 @@ class EtcdUnavailable(ConnectionError):
     """No endpoint of the configured list answered."""
 
 
+_TLS_CREDENTIALS: contextvars.ContextVar[grpc.ChannelCredentials | None] = contextvars.ContextVar(
+    "regroup_etcd_tls_credentials", default=None
+)
+"""The credentials of the TLS client connecting in this task or thread (None: a plain one)."""
+_INSECURE_CHANNEL = aetcd.rpc.insecure_channel
+
+
+def _channel(target: str, options: Any = None) -> grpc.aio.Channel:
+    """aetcd opens every channel through ``rpc.insecure_channel``: this takes its place once,
+    for good, and opens a TLS channel for a ``_TlsClient`` connecting in the current context
+    (task or thread) only. Swapping the module's function around each connect instead raced
+    when two TLS clients connected at once in two threads, and left it swapped for good."""
+    credentials = _TLS_CREDENTIALS.get()
+    if credentials is None:
+        return _INSECURE_CHANNEL(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+aetcd.rpc.insecure_channel = _channel
+
+
 class _TlsClient(_Client):
     """aetcd.Client whose channel is a TLS channel."""
 
@@ -207,19 +229,11 @@ class _TlsClient(_Client):
         self._credentials = credentials
 
     async def connect(self) -> None:
-        original = aetcd.rpc.insecure_channel
-        credentials = self._credentials
-
-        def secure(target: str, options: Any = None) -> grpc.aio.Channel:
-            return grpc.aio.secure_channel(target, credentials, options=options)
-
-        # aetcd.Client.connect builds its channel through rpc.insecure_channel; swap it for
-        # the duration of this call only (connect is not re-entered concurrently per client).
-        aetcd.rpc.insecure_channel = secure
+        token = _TLS_CREDENTIALS.set(self._credentials)
         try:
             await super().connect()
         finally:
-            aetcd.rpc.insecure_channel = original
+            _TLS_CREDENTIALS.reset(token)
 
 
 def _credentials(settings: EtcdSettings) -> grpc.ChannelCredentials:

@@ -5,6 +5,7 @@ auth, bootstrapped by the real ``regroup etcd-auth bootstrap``; no mocks)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from regroup.etcd import PermissionDenied, is_permission_denied, open_watch
+from regroup.etcd import EtcdSettings, PermissionDenied, connect, is_permission_denied, open_watch
 from regroup.etcd.auth import (
     Access,
     Grant,
@@ -333,3 +334,23 @@ async def test_a_workers_calls_that_overlap_other_jobs_identity_changes_go_throu
                 churning.cancel()
                 await asyncio.gather(churning, return_exceptions=True)
             assert changes >= 10, "the auth store did not change under the calls"
+
+
+def test_tls_clients_connecting_at_once_in_many_threads_leave_plain_clients_plain(
+    auth: AuthEtcd, etcd_settings: EtcdSettings
+) -> None:
+    # Each agent of a process connects from its own loop thread; a TLS connect must not change
+    # how a plain client of another thread (or any later one) opens its channel.
+    async def connect_and_read(settings: EtcdSettings) -> None:
+        client = await connect(settings)
+        try:
+            await client.get(b"/regroup/none")
+        finally:
+            await client.close()
+
+    tls = auth.settings(AuthEtcd.CONTROLLER)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        work = [pool.submit(asyncio.run, connect_and_read(tls if i % 2 else etcd_settings)) for i in range(32)]
+        for done in work:
+            done.result(timeout=60)
+    asyncio.run(connect_and_read(etcd_settings))
