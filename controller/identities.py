@@ -21,6 +21,7 @@ until it does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -149,11 +150,9 @@ class JobIdentities:
                 continue  # touched meanwhile
             wake_at = min(next_listing, plan.wake_at or next_listing)
             self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):  # woken by the clock, not by a touch
                 async with asyncio.timeout(max(0.0, wake_at - self._clock())):
                     await self._wake.wait()
-            except TimeoutError:
-                pass
 
     async def _warn_if_auth_off(self) -> None:
         try:

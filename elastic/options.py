@@ -51,6 +51,26 @@ class Options:
     faults: tuple[Fault, ...] = ()
     """Injected failures, for tests of the recovery paths (env REGROUP_TRAINER_FAULTS)."""
 
+    @classmethod
+    def of(cls, sections: Any, *, sample_log: str | None = None, seed: int | None = None) -> Options:
+        """The settings from a tree with ``Sections``' fields: ``Sections`` itself, or a
+        trainer's config that holds the same sections beside its own."""
+        return cls(
+            global_batch=sections.batch.global_batch_size,
+            max_steps=sections.max_steps,
+            max_micro_batch=sections.batch.max_micro_batch_size,
+            checkpoint=sections.checkpoint,
+            etcd=sections.etcd,
+            reform=sections.reform,
+            snapshot=sections.snapshot,
+            sample_log=sample_log,
+            device=sections.device,
+            step_time_floor=sections.step_time_floor,
+            log_every=sections.log_every,
+            seed=seed,
+            faults=sections.faults,
+        )
+
 
 @dataclass(frozen=True)
 class Sections:
@@ -78,21 +98,8 @@ def _from_tree(tree: dict[str, Any], env: Mapping[str, str]) -> Options:
     complete_from_env(tree, env)
     if env.get("REGROUP_SAMPLE_LOG") and not tree.get("sample_log"):
         tree["sample_log"] = env["REGROUP_SAMPLE_LOG"]
-    s = build(Sections, tree, "")
-    return Options(
-        global_batch=s.batch.global_batch_size,
-        max_steps=s.max_steps,
-        max_micro_batch=s.batch.max_micro_batch_size,
-        checkpoint=s.checkpoint,
-        etcd=s.etcd,
-        reform=s.reform,
-        snapshot=s.snapshot,
-        sample_log=s.sample_log,
-        device=s.device,
-        step_time_floor=s.step_time_floor,
-        log_every=s.log_every,
-        faults=s.faults,
-    )
+    sections = build(Sections, tree, "")
+    return Options.of(sections, sample_log=sections.sample_log)
 
 
 def options_from_env(env: Mapping[str, str]) -> Options:

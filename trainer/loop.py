@@ -67,19 +67,5 @@ class TrainingRun:
 
 
 def options_for(cfg: TrainConfig) -> elastic.Options:
-    """The run's settings, taken from the trainer's config."""
-    return elastic.Options(
-        global_batch=cfg.batch.global_batch_size,
-        max_steps=cfg.max_steps,
-        max_micro_batch=cfg.batch.max_micro_batch_size,
-        checkpoint=cfg.checkpoint,
-        etcd=cfg.etcd,
-        reform=cfg.reform,
-        snapshot=cfg.snapshot,
-        sample_log=cfg.data.sample_log,
-        device=cfg.device,
-        step_time_floor=cfg.step_time_floor,
-        log_every=cfg.log_every,
-        seed=cfg.seed,
-        faults=cfg.faults,
-    )
+    """The run's settings, taken from the trainer's config (it holds the run's sections)."""
+    return elastic.Options.of(cfg, sample_log=cfg.data.sample_log, seed=cfg.seed)
