@@ -104,6 +104,8 @@ def render(report: dict[str, Any]) -> str:
             names = f": {', '.join(status.get('spares', []))}" if spares else ""
             short = "  - below wanted: the next loss shrinks the job" if spares < wanted else ""
             lines.append(f"  spares: {spares} (wanted {wanted}){names}{short}")
+        if status.get("warming"):
+            lines.append(f"  warming up to join: {', '.join(status['warming'])} (their workers are starting)")
         if status.get("alerts"):
             lines.append(f"  alerts: {', '.join(status['alerts'])}")
     lines.append(f"  members ({len(report['members'])}):")

@@ -341,6 +341,19 @@ class LocalCluster:
         self._publish("node-deleted", name)
         self._record(ClusterEvent(time.time(), "Node", name, "Warning", "NodeGone", reason, "cluster"))
 
+    async def silence_node(self, name: str) -> None:
+        """The node dies silently: everything on it is SIGKILLed and nothing is written to
+        the API (no restart either): it still reads Ready and its pod Running."""
+        self._require(name)
+        for pod in [p for p in self._pods.values() if p.info.node == name]:
+            await self._stop_supervisor(pod)
+            killed = kill_tree(pod.process.pid) if pod.process and pod.process.returncode is None else {}
+            if pod.process is not None:
+                await pod.process.wait()
+            log.info("node died silently", node=name, processes=len(killed))
+        self._record(ClusterEvent(time.time(), "Node", name, "Warning", "NodeDiedSilently",
+                                  "every process SIGKILLed; nothing written to the API", "cluster"))  # fmt: skip
+
     def crash_workers(self, node: str) -> int:
         """SIGKILL the workers of the node's agent (not the agent): its ranks crash and the
         agent restarts them. Returns how many processes were killed."""

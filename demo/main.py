@@ -56,7 +56,7 @@ def exit_codes(program: str, logs: Path) -> Iterator[None]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--scenario", default="default", help="scenario YAML file, or a bundled one: default, short, spares, evict, drain (default: default)"
+        "--scenario", default="default", help="scenario YAML file, or a bundled one: default, short, spares, evict, drain, silent (default: default)"
     )
     parser.add_argument(
         "--nodes", type=int, help="number of local nodes (overrides the scenario; the job's max follows, less its spares)"

@@ -43,7 +43,7 @@ def scripted_resizes(run: RunData) -> list[ScriptedResize]:
             after = min(len(nodes - set(event.nodes)), cap) * per_node
             resizes.append(ScriptedResize(event, before, after))
             continue
-        if event.reason in ("reclaim", "drain", "lose"):
+        if event.reason in ("reclaim", "drain", "lose", "vanish"):
             nodes -= set(event.nodes)
         elif event.reason in ("restore", "uncordon"):
             nodes |= set(event.nodes)
@@ -139,7 +139,7 @@ def grow_decided_at(run: RunData, after: float, before: float | None = None) -> 
 
 
 def reform_latencies(run: RunData, join_window: float) -> list[ResizeLatency]:
-    """For each scripted reclaim, eviction, drain, loss, restore and uncordon: seconds until
+    """For each scripted reclaim, eviction, drain, loss (abrupt or silent), restore and uncordon: seconds until
     training at the new size.
 
     Measured from the reclaim taint, the eviction (or the drain's cordon), the kill, and for
@@ -153,14 +153,14 @@ def reform_latencies(run: RunData, join_window: float) -> list[ResizeLatency]:
     latencies = []
     for i, (resize, impact) in enumerate(zip(resizes, impacts)):
         event = resize.event
-        if event.reason not in ("reclaim", "evict", "drain", "lose", "restore", "uncordon"):
+        if event.reason not in ("reclaim", "evict", "drain", "lose", "vanish", "restore", "uncordon"):
             continue
         until = resizes[i + 1].event.time if i + 1 < len(resizes) else None
         if event.reason == "reclaim":
             start, start_from = event.time, "taint"
         elif event.reason in ("evict", "drain"):
             start, start_from = event.time, "eviction" if event.reason == "evict" else "drain"
-        elif event.reason == "lose":
+        elif event.reason in ("lose", "vanish"):
             start, start_from = event.time, "kill"
         else:
             decided = grow_decided_at(run, event.time, until)

@@ -67,10 +67,11 @@ def _schedulable(node: NodeInfo) -> bool:
 
 def _world_bounds(run: RunState) -> tuple[int, int]:
     """The world sizes the job should train at once settled: every schedulable node (no
-    cordon, no reclaim notice) in the world, a flaky node not yet dealt with in it or not."""
+    cordon, no reclaim notice) in the world, a flaky node not yet dealt with in it or not;
+    a node that died silently (still in the API, gone) not."""
     assert run.cluster is not None
     job = run.scenario.job
-    usable = [n.name for n in run.cluster.nodes() if _schedulable(n)]
+    usable = [n.name for n in run.cluster.nodes() if _schedulable(n) and n.name not in run.gone]
     required = [n for n in usable if n not in run.flaky]
     return (
         min(len(required), job.max_nodes) * job.nproc_per_node,
@@ -119,7 +120,8 @@ def _spares_expected(run: RunState) -> int:
     """How many nodes should wait as spares once settled: the usable nodes beyond the job's
     max, a flaky node not counted (on probation it is no spare, and it is on its way out)."""
     assert run.cluster is not None
-    usable = [n.name for n in run.cluster.nodes() if _schedulable(n) and n.name not in run.flaky]
+    gone = run.flaky.keys() | run.gone
+    usable = [n.name for n in run.cluster.nodes() if _schedulable(n) and n.name not in gone]
     return max(0, len(usable) - run.scenario.job.max_nodes)
 
 
@@ -195,7 +197,14 @@ async def _play(run: RunState, events: tuple[ChurnEvent, ...]) -> None:
                 if run.cluster.node(node) is not None:
                     run.gone.add(node)
                     await run.cluster.remove_node(node, reason="lost abruptly (SIGKILL)")
+            elif event.action == "vanish":
+                if run.cluster.node(node) is not None and node not in run.gone:
+                    run.gone.add(node)
+                    await run.cluster.silence_node(node)
             elif event.action == "restore":
+                if node in run.gone and run.cluster.node(node) is not None:
+                    # It died silently: its node and pod still stand in the API. Gone for good now.
+                    await run.cluster.remove_node(node, reason="replaced after dying silently")
                 if run.cluster.node(node) is None:
                     run.gone.discard(node)
                     await run.cluster.add_node(node)

@@ -20,8 +20,8 @@ DEFAULT_RECLAIM_TAINT = "aws-node-termination-handler/spot-itn"
 SPARE_NODES_ANNOTATION = "regroup.dev/spare-nodes"
 """How many warm spares the job wants (the controller's reporting and alerts)."""
 
-Action = Literal["reclaim", "evict", "drain", "uncordon", "lose", "restore", "flaky"]
-ACTIONS: tuple[str, ...] = ("reclaim", "evict", "drain", "uncordon", "lose", "restore", "flaky")
+Action = Literal["reclaim", "evict", "drain", "uncordon", "lose", "vanish", "restore", "flaky"]
+ACTIONS: tuple[str, ...] = ("reclaim", "evict", "drain", "uncordon", "lose", "vanish", "restore", "flaky")
 
 
 class ScenarioError(ValueError):
@@ -45,8 +45,11 @@ class ChurnEvent:
     ``drain``: ``kubectl drain``: the node is cordoned, then its pod evicted the same way
     (no new pod starts there while it is cordoned); ``uncordon``: the node takes pods
     again and its workload's pending pod starts there; ``lose``: the
-    node and everything on it is SIGKILLed; ``restore``: lost nodes come back with a new
-    agent; ``flaky``: the node's rank starts crashing every ``crash_after_steps`` steps."""
+    node and everything on it is SIGKILLed, and the node and its pod vanish from the API;
+    ``vanish``: everything on the node is SIGKILLed and nothing is written to the API (the
+    node still reads Ready and its pod Running, as a dead node's do until the node controller
+    notices, 40 s later): only the job's own peers can tell; ``restore``: lost nodes come back
+    with a new agent; ``flaky``: the node's rank starts crashing every ``crash_after_steps`` steps."""
     nodes: tuple[str, ...]
     """The nodes it happens to."""
     notice: timedelta = timedelta(0)
@@ -70,6 +73,8 @@ class ChurnEvent:
             return f"{who} uncordoned"
         if self.action == "lose":
             return f"abrupt loss of {who}"
+        if self.action == "vanish":
+            return f"silent death of {who} (SIGKILL, nothing written to the API)"
         if self.action == "restore":
             return f"{who} come{'s' if len(self.nodes) == 1 else ''} back"
         if self.crash_after_steps == 0:

@@ -91,13 +91,18 @@ class Resuming:
         self._resumed_at(step, "resumed", load_s=round(load_s, 3), plan=str(self.plan))
 
     def _last_step_before(self) -> int:
-        """Collective: the newest step any rank completed in an earlier world (a survivor's
-        own, or rank 0's reading of the progress record the world before left); -1 if none.
-        The ranks agree on the run's seed in the same reduction (the highest)."""
+        """Collective: the newest step any rank completed in an earlier world, from what the
+        ranks know: a survivor's own (in place), the record its node keeps of the steps its
+        agent's workers completed (the restart path, where no process survives), and rank 0's
+        reading of the progress record the world before left, both its step and the newest
+        one before that world (a world that failed before it got past it does not lower it).
+        -1 if none knows. The ranks agree on the run's seed in the same reduction (the highest)."""
         last = self.session.last_step
-        previous = self.channel.previous_progress if self.channel is not None else None
+        if self.session.node_steps is not None:
+            last = max(last, self.session.node_steps.read())
+        previous = self.channel.progress_before() if self.channel is not None else None
         if previous is not None:
-            last = max(last, previous.step)
+            last = max(last, previous.step, previous.last_step)
         if self.rt.world_size > 1:
             newest = torch.tensor([last, self.seed], dtype=torch.int64)
             dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.rt.control_group)

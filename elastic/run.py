@@ -429,6 +429,8 @@ class Run(Epochs, Resuming, StepBoundary, ProgressReports, CheckpointRequests, I
         # Nobody exits while a peer still waits on it in the last collective.
         torch.distributed.barrier(group=self.rt.control_group)
         self.counters.state = "finished"
+        if self.session.node_steps is not None:
+            self.session.node_steps.forget()
         if self.channel is not None:
             self.channel.publish_progress(self.progress(), wait=True)
         log.info("finished", step=self.state.step, loss=self.last_loss)

@@ -39,6 +39,7 @@ from regroup.elastic.options import Options, options_from_env
 from regroup.elastic.randomness import START_SEED, StartState
 from regroup.elastic.state import MisuseError, World
 from regroup.elastic.world.progress import Counters
+from regroup.elastic.world.reached import NodeSteps
 from regroup.elastic.memory.reshard import HeldState
 from regroup.elastic.world.stopping import StopSignal, exit_code
 from regroup.elastic.world.world_change import WorldChange
@@ -146,7 +147,10 @@ class Session:
         self.run: Run | None = None
         """The run of the current incarnation."""
         self.last_step = -1
-        """The newest step this process completed in an earlier world (-1: none)."""
+        """The newest step completed in an earlier world that this process took part in or
+        knew of (-1: none)."""
+        self.node_steps = NodeSteps.for_agent(env)
+        """This node's record of the newest step its agent's workers completed (None: no agent)."""
         self.exit_code: int | None = None
         """Set when the process is to end without finishing: 128+signal (stopped), 0 (left the job)."""
         self.ended: Reform | None = None
@@ -196,6 +200,8 @@ class Session:
             self.world.close()
             if self.channel is not None:
                 self.channel.close()
+            if self.node_steps is not None:
+                self.node_steps.close()
         finally:
             if self._provider is not None:
                 self._provider.shutdown()
@@ -269,7 +275,9 @@ class Session:
         log.info("leaving the world for a re-form", step=old_step, clean=clean, why=str(exc)[:200])
         leaving = False
         if run is not None:
-            self.last_step = max(self.last_step, old_step)
+            # With the newest step the worlds before that run knew of: this process may
+            # have joined after it, and is the one that remembers it now.
+            self.last_step = max(self.last_step, old_step, run.last_step)
             if run.change.first_step_done:
                 # A world that failed before its first step reached nothing: its state is not
                 # restored yet (step 0), and a record of it would tell the controller and

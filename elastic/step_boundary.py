@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from regroup.elastic.checkpoint.checkpointer import Checkpointer
     from regroup.elastic.memory.snapshot import Snapshots
     from regroup.elastic.options import Options
+    from regroup.elastic.session import Session
     from regroup.elastic.step import Step
     from regroup.elastic.world.batching import BatchPlan
     from regroup.elastic.world.control import JobChannel
@@ -36,6 +37,7 @@ class StepBoundary:
     """Counting a step done and acting on what every rank agreed at its boundary."""
 
     cfg: Options
+    session: Session
     rt: Runtime
     plan: BatchPlan
     state: TrainerState
@@ -62,6 +64,8 @@ class StepBoundary:
         compute_s = time.perf_counter() - step._started
         self.state.step = done
         self.state.samples_seen = done * self.plan.global_batch
+        if self.session.node_steps is not None:
+            self.session.node_steps.record(done)
         if compute_s > 0:
             self.samples_per_s = self.plan.global_batch / compute_s
             self.tokens_per_s = step._tokens * self.rt.world_size / compute_s

@@ -175,6 +175,8 @@ class MemberRecord(Record):
     not_before: float = 0.0
     """Unix time before which this member should not be admitted to a round: it is on
     probation after its own workers failed, or its restarted workers are still starting."""
+    warming_since: float = 0.0
+    """Unix time its ``--standby`` workers began starting before it asks to join (0: up): no joiner till then."""
     leaving_since: float = 0.0
     """Unix time the agent was told to stop (SIGTERM: a pod deletion, an eviction, a drain);
     0 while it is not leaving. A leaving member asks for a planned leave: hand its state
@@ -189,6 +191,8 @@ class MemberRecord(Record):
     """Unix time of the first such failure in that round."""
     failed_peer: str = ""
     """The host the failed collective named ("" when the backend names none)."""
+    silent_peers: list[str] = field(default_factory=list)
+    """Members of that round whose lease then went a second unrenewed (``rendezvous.silent``): dead."""
     worker_exit: str = ""
     """Why a worker of this agent exited during an in-place re-form, likely, in one line
     (``regroup.rendezvous.inplace.exits``; "" if none did): the re-form became a restart."""
@@ -421,6 +425,8 @@ class JobStatus(Record):
     """The spare nodes, the one that replaces the next leaving node first."""
     spares_wanted: int = 0
     """How many spares the job asks for (``regroup.dev/spare-nodes``)."""
+    warming: list[str] = field(default_factory=list)
+    """Nodes outside the round whose standby workers still start (``MemberRecord.warming_since``)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -18,9 +19,10 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from regroup import etcd
 from regroup.records import JoinRecord, MemberRecord, RoundState, agent_id
 from regroup.rendezvous.connection import JobConnection
-from regroup.rendezvous.decisions import Me
+from regroup.rendezvous.decisions import JobView, Me
 from regroup.rendezvous.join_steps import CloseRound
 from regroup.rendezvous.settings import RendezvousSettings
+from regroup.rendezvous.silent import HURRY_EVERY, HURRY_FOR, find_silent
 from regroup.rendezvous.store import round_prefix
 from regroup.rendezvous.watch import JobWatch
 
@@ -45,6 +47,10 @@ class AgentKeys:
         self._keeper: etcd.LeaseKeeper | None = None
         self._renewal: asyncio.Task[None] | None = None
         self._member_update: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._hurried_for = 0.0
+        """``peer_failure_at`` of the newest failure of its round this agent renewed for."""
+        self._unlisten: Callable[[], None] | None = None
         self._leased: dict[bytes, bytes] = {}
         ident = settings.identity
         self.member = MemberRecord(
@@ -59,6 +65,8 @@ class AgentKeys:
         self.me = Me(node=ident.node, agent=agent_id(self.member), host=ident.host)
         self.not_before = 0.0
         """Probation: join records ask the round not to count this agent before this time."""
+        self.warming_since = 0.0
+        """When this agent began starting its workers ahead of its next join (0: not now)."""
 
     @property
     def registered(self) -> bool:
@@ -71,7 +79,7 @@ class AgentKeys:
     async def register(self, join_round: int) -> int:
         """Grant the lease, start its keep-alive, and write the member key and a join record
         for ``join_round`` in one transaction; returns the revision."""
-        keeper = etcd.LeaseKeeper(self.client, self._settings.lease_ttl, on_lost=self._lease_lost)
+        keeper = self._new_keeper()
         await keeper.start()
         keys = {self._member_key: self.member.to_json(), self._join_key: self._join_record(join_round)}
         tx = self.client.transactions
@@ -84,26 +92,52 @@ class AgentKeys:
             raise
         self._keeper = keeper
         self._leased.update(keys)
+        if self._unlisten is None:
+            self._unlisten = self._conn.watch.listen(self._on_view)
         return await self._revision()
 
     def update_member_soon(self, round: int, restart_count: int) -> None:
         """Record the agent's round, restart count and probation in its member key, off the
         critical path."""
         self._member_changed(
-            dataclasses.replace(self.member, round=round, restart_count=restart_count, not_before=self.not_before)
-        )
+            dataclasses.replace(
+                self.member, round=round, restart_count=restart_count, not_before=self.not_before,
+                warming_since=self.warming_since,
+            )
+        )  # fmt: skip
 
     def note_leaving_soon(self, since: float, by: float) -> None:
         """Record in the member key that this agent was told to stop at ``since`` and must be
         gone by ``by`` (unix times): the controller's cue for a planned leave."""
         self._member_changed(dataclasses.replace(self.member, leaving_since=since, leaving_by=by))
 
-    def note_peer_failure_soon(self, round: int, at: float, peer: str) -> None:
+    def note_peer_failure_soon(self, round: int, at: float, peer: str, probe: list[str]) -> None:
         """Record in the member key that a worker's collective of ``round`` failed on a
-        peer at ``at`` (naming ``peer``, a host, or ""): the controller's first evidence."""
+        peer at ``at`` (naming ``peer``, a host, or ""): the controller's first evidence.
+        Then watch the leases of the round's members ``probe`` and name those found dead
+        (``regroup.rendezvous.silent``)."""
         self._member_changed(
-            dataclasses.replace(self.member, peer_failure_round=round, peer_failure_at=at, failed_peer=peer)
+            dataclasses.replace(
+                self.member, peer_failure_round=round, peer_failure_at=at, failed_peer=peer, silent_peers=[]
+            )
         )
+        if self._probe is not None:
+            self._probe.cancel()  # an earlier round's: its names no longer count
+        self._probe = None
+        if probe:
+            self._probe = asyncio.create_task(self._find_silent(round, at, probe), name=f"rdzv-probe-{self.me.node}")
+
+    async def _find_silent(self, round: int, at: float, nodes: list[str]) -> None:
+        def found(silent: list[str]) -> None:
+            log.warning("members of the round stopped renewing their leases: dead", node=self.me.node, round=round,
+                        silent=silent)  # fmt: skip
+            if self.member.peer_failure_round == round:
+                self._member_changed(dataclasses.replace(self.member, silent_peers=silent))
+
+        try:
+            await find_silent(self.client, self._settings.job, nodes, at, found)
+        except etcd.TRANSIENT_ERRORS as exc:
+            log.warning("could not read the round's leases; their TTL will tell", node=self.me.node, error=str(exc))
 
     def note_worker_exit_soon(self, round: int, note: str) -> None:
         """Record in the member key why a worker exited during the in-place re-form of
@@ -113,8 +147,11 @@ class AgentKeys:
     async def start_over(self) -> None:
         """Become a new agent of the same node (a new registration time, so a new agent id):
         the old one is the agent a round left out, and a round never admits that one again.
-        The member key (same lease) says so at once; the next join record asks as the new one."""
-        self.member = dataclasses.replace(self.member, round=0, joined_at=time.time())
+        The member key (same lease) says so at once, with its probation and warm-up; the next
+        join record asks as the new one."""
+        self.member = dataclasses.replace(
+            self.member, round=0, joined_at=time.time(), not_before=self.not_before, warming_since=self.warming_since
+        )
         self.me = dataclasses.replace(self.me, agent=agent_id(self.member))
         self._leased[self._member_key] = self.member.to_json()
         if self._keeper is not None:
@@ -212,11 +249,14 @@ class AgentKeys:
     async def leave(self) -> bool:
         """Delete this agent's keys (revoking the lease removes them all at once); False when
         etcd could not be told (they then vanish with the lease's TTL)."""
-        for task in (self._renewal, self._member_update):
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+        for task in (self._renewal, self._member_update, self._probe):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        self._renewal = self._member_update = None
+        self._renewal = self._member_update = self._probe = None
         left = True
         if self._keeper is not None:
             keeper, self._keeper = self._keeper, None
@@ -237,6 +277,21 @@ class AgentKeys:
         response = await self.client.get(self._state_key)
         return int(response.header.revision) if response is not None else 0
 
+    def _new_keeper(self) -> etcd.LeaseKeeper:
+        return etcd.LeaseKeeper(self.client, self._settings.lease_ttl, on_lost=self._lease_lost)
+
+    def _on_view(self, view: JobView) -> None:
+        """A member of this agent's round reported a failed collective: renew this agent's
+        lease at once and often while the survivors probe the round's leases
+        (``regroup.rendezvous.silent``), so that it does not read as dead."""
+        round = self.member.round
+        if round <= 0 or self._keeper is None:
+            return
+        newest = max((m.peer_failure_at for m in view.members.values() if m.peer_failure_round == round), default=0.0)
+        if newest > self._hurried_for:
+            self._hurried_for = newest
+            self._keeper.hurry(HURRY_EVERY, HURRY_FOR)
+
     def _lease_lost(self) -> None:
         if self._renewal is None or self._renewal.done():
             self._renewal = asyncio.create_task(self._renew(), name=f"rdzv-lease-renew-{self.me.node}")
@@ -246,7 +301,7 @@ class AgentKeys:
         backoff = 0.1
         while True:
             try:
-                keeper = etcd.LeaseKeeper(self.client, self._settings.lease_ttl, on_lost=self._lease_lost)
+                keeper = self._new_keeper()
                 await keeper.start()
                 old, self._keeper = self._keeper, keeper
                 if old is not None:

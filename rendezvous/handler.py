@@ -42,6 +42,7 @@ from regroup.rendezvous.decisions import Bounds, JobView, count_spares, count_wa
 from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinLoop
 from regroup.rendezvous.ports import master_port
 from regroup.rendezvous.settings import RendezvousSettings
+from regroup.rendezvous.silent import to_probe
 from regroup.rendezvous.store import RoundAbandoned, RoundStore, round_prefix
 
 log = structlog.get_logger("rendezvous")
@@ -167,7 +168,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._peer_failure_round = round
         log.warning("a worker's collective failed on a peer", job=self._settings.job.job, node=self.node,
                     round=round, peer=peer or "not named")
-        self._on_loop(self._keys.note_peer_failure_soon, round, at, peer)
+        self._on_loop(self._keys.note_peer_failure_soon, round, at, peer, to_probe(self.view.members, round, self.node))
 
     def note_worker_exit(self, round: int, note: str) -> None:
         """A worker exited during the in-place re-form of ``round``'s world, likely for the
@@ -192,12 +193,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keys.note_leaving_soon(since, by)
         self._joining.stop_by(stop_at, reason)
 
-    def start_over(self, reason: str) -> None:
+    def start_over(self, reason: str, warming: bool = False) -> None:
         """This agent was left out of the round (``ExcludedFromRound``) and was not told to
         stop: it stays, as a new agent of its node that asks to join the next round (the round
         never admits the agent it left out). The controller lets it back in, or keeps it out
         while its node is leaving (``control/excluded``); after ``excluded_timeout`` without a
-        place the next join raises ``ExcludedTooLong``."""
+        place the next join raises ``ExcludedTooLong``.
+
+        ``warming``: its workers are being restarted ahead of that join (``--standby``). Until
+        ``next_rendezvous`` it asks not to be counted (as a stepped-out agent does) and its
+        member record says it is warming up, so a grow does not hold the others for it."""
+        if warming:
+            self._keys.not_before = time.time() + _STEPPED_OUT_S
+            self._keys.warming_since = time.time()
         self._round = 0
         self._store = None
         self._stepped_out = None
@@ -212,6 +220,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         real (after the probation, when in place)."""
         self._stepped_out = self._charge_failure()
         self._keys.not_before = time.time() + _STEPPED_OUT_S
+        self._keys.warming_since = time.time()
         self._update_member()
         state = self.view.state
         self._joining.seat = (state.round if state else 0) + 1
@@ -272,8 +281,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # Probation (in place): the others re-form without this node and train on meanwhile.
         probation = own_failure and self._probation is not None
         not_before = time.time() + self._probation.total_seconds() if probation and self._probation else 0.0
-        if not_before or self._keys.not_before:
+        if not_before or self._keys.not_before or self._keys.warming_since:
             self._keys.not_before = not_before
+            self._keys.warming_since = 0.0  # its workers are up (standby), or start after the round
             self._update_member()
         if probation:
             log.info("own workers failed; on probation before rejoining", node=self.node, until=not_before)

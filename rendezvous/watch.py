@@ -9,6 +9,7 @@ mirror is rebuilt from that listing.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -57,6 +58,7 @@ class JobWatch:
         self._store_kv: dict[str, bytes] = {}
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._listeners: list[Callable[[JobView], None]] = []
         self.view = JobView()
         """The latest view; replaced (never mutated) on every change, so any thread may read it."""
         self.version = 0
@@ -107,6 +109,12 @@ class JobWatch:
             pass
         finally:
             self._waiters -= 1
+
+    def listen(self, listener: Callable[[JobView], None]) -> Callable[[], None]:
+        """Call ``listener`` with each new view, on the loop, as it is published (it must be
+        quick and must not raise); returns the call that stops it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
     def poke(self) -> None:
         """Wake every waiter now, with the view unchanged, so it re-decides (on the loop):
@@ -259,6 +267,8 @@ class JobWatch:
             excluded=self._excluded,
             finished=self._finished,
         )
+        for listener in list(self._listeners):
+            listener(self.view)
 
     def _notify(self) -> None:
         self.version += 1

@@ -35,6 +35,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("loss_lost_steps", "abrupt loss: steps lost", "steps"),
     Metric("replace_s", "abrupt loss, a spare waiting: kill -> first step at the same size, {replace_ranks}", "s", 1.5),
     Metric("replace_lost_steps", "abrupt loss, a spare waiting: steps lost", "steps"),
+    Metric("silent_s", "silent death (nothing written to the API): kill -> training at {silent_ranks}", "s", 2.0),
+    Metric("silent_lost_steps", "silent death: steps lost", "steps"),
     Metric("grow_s", "grow: join window closed -> training at {grow_ranks}", "s", 2.0),
     Metric("grow_lost_steps", "grow: steps lost", "steps"),
     Metric("evict_s", "eviction: evicted -> training at {evict_ranks}", "s", 1.5),
@@ -45,11 +47,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("flaky_lost_steps", "flaky node: steps lost", "steps"),
     Metric("goodput", "goodput (useful training time / wall time)", "%", 0.90),
 )
-_EVENT_KEYS = {"reclaim": "reclaim", "evict": "evict", "drain": "drain", "lose": "loss", "restore": "grow", "uncordon": "grow"}
+_EVENT_KEYS = {
+    "reclaim": "reclaim", "evict": "evict", "drain": "drain", "lose": "loss", "vanish": "silent", "restore": "grow",
+    "uncordon": "grow",
+}  # fmt: skip
 _SAME_SIZE_KEYS = {"reclaim": "migrate", "lose": "replace"}
 """A reclaim or a loss the script answers at the same size (a spare waited): its own rows,
 measured to the first step of the new round at that size (the first step on the spare)."""
-_RANK_KEYS = tuple(f"{key}_ranks" for key in ("reclaim", "migrate", "loss", "replace", "grow", "evict", "drain"))
+_RANK_KEYS = tuple(
+    f"{key}_ranks" for key in ("reclaim", "migrate", "loss", "replace", "silent", "grow", "evict", "drain")
+)
 _SPARE_KEYS = tuple(f"{key}_{what}" for key in _SAME_SIZE_KEYS.values() for what in ("s", "lost_steps"))
 
 

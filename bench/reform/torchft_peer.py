@@ -116,7 +116,7 @@ def timeline(scenario: Scenario) -> tuple[list[PeerAction], list[str]]:
             end = at + event.notice.total_seconds()
             why = "reclaim notice over: SIGKILL (torchft has no planned leave)"
             actions.append(PeerAction(end, "kill", event, why))
-        elif event.action == "lose":
+        elif event.action in ("lose", "vanish"):
             actions.append(PeerAction(at, "kill", event, "abrupt loss: SIGKILL"))
         elif event.action == "restore":
             actions.append(PeerAction(at, "launch", event, "back: a fresh replica"))

@@ -18,7 +18,9 @@ from collections.abc import Set as AbstractSet
 
 from regroup.controller.decide.alerts import flapping, rendezvous_on_gpu
 from regroup.controller.decide.cleanup import prune_acks, removal, tombstoned
-from regroup.controller.decide.health import assess, keep_exclusions, restart_storms, waiting_joiners, world_of
+from regroup.controller.decide.health import (
+    assess, keep_exclusions, restart_storms, waiting_joiners, warming_joiners, world_of,
+)  # fmt: skip
 from regroup.controller.decide.job_status import write_status
 from regroup.controller.decide.out import Out, summarize
 from regroup.controller.decide.phases import advance
@@ -111,6 +113,7 @@ def _running(
     restart_storms(s, config, resolved.workers_by_node, health, now, settings, out)
     keep_exclusions(s, config, health, now, out)
     joiners = waiting_joiners(s, world, health, now, out)
+    warming = warming_joiners(s, world, health)
     sit = Situation(s, now, settings, config, health, out, s.plan_revision)
     in_flight = s.plan is not None and s.plan.phase != ReformPhase.DONE
     stalled = False
@@ -124,13 +127,15 @@ def _running(
             reason = f"{reason}; then {then}"
     else:
         reason, stalled = start(sit, world, joiners, resolved.newest)
+    if warming:
+        reason = f"{reason}; {len(warming)} warming up to join ({', '.join(warming)})"
     withdraw_stale_checkpoint(s, out)
     prune_acks(s, out)
     reforming = (in_flight and not out.abandoned) or out.started()
     state = "stalled" if stalled else ("reforming" if reforming else "healthy")
     live = world - health.lost.keys() if health.lost else world
     spares = spares_of(joiners, len(live), config.max_nodes, _targets(s, out))
-    write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu, spares=spares)
+    write_status(s, out, state, reason, live, config, now, flapping=flaps, gpu=gpu, spares=spares, warming=warming)
     alerts = Alerts(stalled=stalled, flapping=flaps, rendezvous_on_gpu=gpu)
     return out.decision(reason, len(live), config, alerts, len(spares), config.spare_nodes)
 

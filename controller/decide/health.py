@@ -143,7 +143,9 @@ def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now:
     its lease or its pod's status. Only an unambiguous name counts: one node of the round at
     that host (its agent's address or its pod's IP), not the reporter, and not a node that
     reported a failure of its own in the round (it is alive). Agents sharing a host (one
-    machine, loopback) name nobody; their loss comes from the pod, the agent or the lease.
+    machine, loopback) name nobody by address. The survivor's agent also names the members
+    of the round whose lease then went a second without renewal (``silent_peers``,
+    ``regroup.rendezvous.silent``): those are lost too, under the same rules.
 
     A survivor that leaves its broken world closes its connections, and a third rank may
     then see its collective fail on that live survivor: a name counts only once
@@ -153,7 +155,7 @@ def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now:
     reporters = [
         m for n in s.suspects
         if (m := members.get(n)) is not None and m.round == world_round
-        and m.peer_failure_round == world_round and m.failed_peer
+        and m.peer_failure_round == world_round and (m.failed_peer or m.silent_peers)
     ]  # fmt: skip
     if not reporters:
         return
@@ -163,20 +165,21 @@ def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now:
             n for n in world
             if n != reporter.node and (m := members.get(n)) is not None
             and reporter.failed_peer in (m.host, pod.ip if (pod := pods.get(m.pod)) is not None else "")
-        ]  # fmt: skip
-        if len(named) != 1:
-            continue
-        (node,) = named
-        accused = members[node]
-        if node in health.lost or accused.peer_failure_round == world_round:
-            continue
-        settled_at = min(reporter.peer_failure_at, now) + PEER_FAILURE_SETTLE_S
-        if settled_at > now:
-            later = health.turns_lost_at
-            health.turns_lost_at = settled_at if later is None else min(later, settled_at)
-            continue
-        health.lost[node] = f"a collective of round {world_round} failed on it (seen by {reporter.node})"
-        health.lost_since[node] = min(reporter.peer_failure_at, now)
+        ] if reporter.failed_peer else []  # fmt: skip
+        accused = {named[0]: "a collective of round {round} failed on it"} if len(named) == 1 else {}
+        for node in reporter.silent_peers:
+            if node in world and node != reporter.node and node in members:
+                accused.setdefault(node, "its lease went unrenewed after a collective of round {round} failed")
+        for node, why in sorted(accused.items()):
+            if node in health.lost or members[node].peer_failure_round == world_round:
+                continue
+            settled_at = min(reporter.peer_failure_at, now) + PEER_FAILURE_SETTLE_S
+            if settled_at > now:
+                later = health.turns_lost_at
+                health.turns_lost_at = settled_at if later is None else min(later, settled_at)
+                continue
+            health.lost[node] = f"{why.format(round=world_round)} (seen by {reporter.node})"
+            health.lost_since[node] = min(reporter.peer_failure_at, now)
 
 
 def _candidates(s: JobSnapshot, world: AbstractSet[str], disruptions: Mapping[str, PodNotice]) -> Iterable[str]:
@@ -306,7 +309,8 @@ def _turns_lost(health: Health, at: float | None) -> None:
 
 def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now: float, out: Out) -> list[str]:
     """Healthy members waiting outside the current round, oldest first. A member on
-    probation (its own workers just failed, or are still starting up) is not one yet."""
+    probation (its own workers just failed, or are still starting up) is not one yet, nor
+    is the record of an agent its round's survivors found dead (``named_dead``)."""
     world_round, members = s.world_round, s.members
     waiting = []
     # A member outside the round is a suspect (``regroup.controller.suspects``): look no further.
@@ -314,11 +318,37 @@ def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now
         m = members.get(n)
         if m is None or m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
             continue
+        if named_dead(s, n, m):
+            continue
         if m.not_before > now:
             out.again_in(m.not_before - now)
             continue
         waiting.append(n)
     return sorted(waiting, key=lambda n: (joiner_seen(s, n), n))
+
+
+def named_dead(s: JobSnapshot, node: str, member: MemberRecord) -> bool:
+    """Whether the member record is that of an agent the survivors of its round named dead
+    (``silent_peers``), standing until its lease runs out: not a joiner. A new agent of the
+    node registers afresh (round 0) and is one."""
+    if member.round <= 0:
+        return False
+    return any(
+        m.peer_failure_round == member.round and node in m.silent_peers
+        for n, m in s.members.items() if n != node
+    )  # fmt: skip
+
+
+def warming_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health) -> list[str]:
+    """Members outside the round whose standby workers are still starting up
+    (``MemberRecord.warming_since``), sorted: joiners once warm, reported until then, and
+    never waited for at a hold."""
+    members = s.members
+    return sorted(
+        n for n in s.suspects
+        if (m := members.get(n)) is not None and m.warming_since > 0 and m.round != s.world_round
+        and n not in world and n not in health.lost and n not in health.notices and n not in health.storm
+    )  # fmt: skip
 
 
 def joiner_seen(s: JobSnapshot, node: str) -> float:

@@ -28,10 +28,12 @@ def write_status(
     flapping: bool = False,
     gpu: bool = False,
     spares: Sequence[str] = (),
+    warming: Sequence[str] = (),
 ) -> None:
     """Ask for a ``control/status`` write when anything but the reason differs from the
     stored one; when only its nodes (or which nodes are spares) differ, at most once every
-    ``NODES_EVERY``. ``spares``: the job's spare nodes (a running job's only), oldest first."""
+    ``NODES_EVERY``. ``spares``: the job's spare nodes (a running job's only), oldest first;
+    ``warming``: the members warming up to join (``health.warming_joiners``)."""
     alerts = [name for name, on in (("rendezvous-flapping", flapping), ("rendezvous-on-gpu-node", gpu)) if on]
     min_nodes, max_nodes = (config.min_nodes, config.max_nodes) if config else (0, 0)
     wanted = config.spare_nodes if config is not None and state != "finished" else 0
@@ -45,7 +47,8 @@ def write_status(
     ) == (state, min_nodes, max_nodes, alerts, since, vacant, len(spares), wanted):
         # The stored nodes are sorted; equal sizes and containment compare them without
         # sorting (a decision in a storm is cheaper by that sort).
-        if len(old.nodes) == len(nodes) and all(map(nodes.__contains__, old.nodes)) and old.spares == list(spares):
+        same_nodes = len(old.nodes) == len(nodes) and all(map(nodes.__contains__, old.nodes))
+        if same_nodes and old.spares == list(spares) and old.warming == list(warming):
             return
         # Nodes flapping under a storm would rewrite the record with nearly every decision:
         # the last of them is written once the interval has passed.
@@ -67,5 +70,6 @@ def write_status(
         spare_count=len(spares),
         spares=list(spares),
         spares_wanted=wanted,
+        warming=list(warming),
     )
     out.actions.append(WriteStatus(status))

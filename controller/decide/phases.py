@@ -140,12 +140,12 @@ def _resume(sit: Situation, plan: ReformPlan, lost_targets: list[str]) -> str:
         # is at the planned size too.
         and (progress.round == 0 or progress.round >= plan.round_after)
     ):
-        lost_steps = _lost_steps(plan, progress)
+        lost = lost_steps(progress)
         # Only the trainer's rank 0 knows how its world came to be and where the resume time
         # went; the plan carries that to the re-form's trace.
         resumed = evolve(
             plan, resumed_at=resumed_at(plan, progress, now), resumed_from_step=progress.resumed_from_step,
-            lost_steps=lost_steps, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
+            lost_steps=lost, mode=progress.reform_mode, resume_phases=dict(progress.resume_phases),
         )
         return finish(s, resumed, now, ReformOutcome.COMPLETED, out, f"resumed from step {progress.resumed_from_step}")
     if lost_targets:
@@ -185,14 +185,15 @@ def resumed_at(plan: ReformPlan, progress: Progress, now: float) -> float:
     return min(now, max(at, plan.rendezvous_done_at))
 
 
-def _lost_steps(plan: ReformPlan, progress: Progress) -> int:
-    """Steps the re-form made the trainers redo: from their own account when they give one
-    (``last_step``, the newest step any rank of the world before completed), else from the
-    last step the controller saw before it asked for the re-form (which may be one behind:
-    progress is published after the step). -1: unknown."""
-    if progress.last_step >= 0:
-        return max(0, progress.last_step - progress.resumed_from_step)
-    return max(0, plan.step_before - progress.resumed_from_step) if plan.step_before >= 0 else -1
+def lost_steps(progress: Progress) -> int:
+    """Steps the re-form made the trainers redo, from their own account: the newest step any
+    rank completed before the world that resumed (``last_step``) minus the step it resumed
+    from. -1 when the trainers do not know: the controller's own view of their progress
+    (``plan.step_before``, read up to a publishing interval before the world broke) would
+    be a guess, and under-counts every step completed after it."""
+    if progress.last_step < 0:
+        return -1
+    return max(0, progress.last_step - progress.resumed_from_step)
 
 
 def _other_round(s: JobSnapshot, plan: ReformPlan) -> str:

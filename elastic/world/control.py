@@ -74,7 +74,9 @@ class JobChannel:
         self.latest_reform: ReformRequest | None = None
         """The newest ``control/reform`` (watched): its generation retires older requests."""
         self.previous_progress: Progress | None = None
-        """The ``progress`` record found on start (the world before this process's)."""
+        """The ``progress`` record as last read (``progress_before``; first on start)."""
+        self._read_on_start = False
+        """``previous_progress`` was read on start, for the world this channel opened in."""
         self._progress_sent = 0
         """Progress writes handed to the loop (a sequence number per call)."""
         self._progress_done = 0
@@ -95,12 +97,8 @@ class JobChannel:
             found = decode(kv.key.decode(), None, self.keys.prefix)
             if found is not None and found.kind is KeyKind.ACK and found.params["generation"].isdigit():
                 self.answered = max(self.answered, int(found.params["generation"]))
-        progress = await self._client.get(self.keys.progress.encode())
-        if progress is not None:
-            try:
-                self.previous_progress = Progress.from_json(progress.value)
-            except RecordError as exc:
-                log.warning("ignoring malformed progress record", error=str(exc))
+        await self._read_progress()
+        self._read_on_start = True
         reforms = Reflector(self._client, self.keys.reform, self._on_reform, prefix=False, name="reform-request")
         await reforms.list()
         requests = Reflector(self._client, self.keys.checkpoint, self._on_request, prefix=False, name="checkpoint-request")
@@ -108,6 +106,29 @@ class JobChannel:
         # Each ends only when cancelled; were one to crash, the loop thread logs and records it at once.
         self._reform_task = self._loop.supervise(asyncio.create_task(reforms.run(), name="reform-request-watch"))
         self._watch_task = self._loop.supervise(asyncio.create_task(requests.run(), name="checkpoint-request-watch"))
+
+    async def _read_progress(self) -> None:
+        progress = await self._client.get(self.keys.progress.encode())
+        if progress is not None:
+            try:
+                self.previous_progress = Progress.from_json(progress.value)
+            except RecordError as exc:
+                log.warning("ignoring malformed progress record", error=str(exc))
+
+    def progress_before(self) -> Progress | None:
+        """The ``progress`` record the world before this one left: a new world reads it
+        before it publishes any of its own. Read on start for the world the channel opened
+        in; for a later world (an in-place re-form that kept rank 0) read again, as what it
+        read then is older than what the last world reached (the one read last when etcd
+        does not answer in time)."""
+        if self._read_on_start:
+            self._read_on_start = False
+            return self.previous_progress
+        try:
+            self._loop.run(self._read_progress(), self.timeout)
+        except TRANSIENT_ERRORS as exc:
+            log.warning("progress record not read; using the one read before", error=str(exc))
+        return self.previous_progress
 
     def _on_reform(self, event: ReflectorEvent) -> None:
         if isinstance(event, Listed):

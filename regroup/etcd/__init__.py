@@ -7,7 +7,8 @@
   which names the operation, the key and the identity etcd refused; ``enable_auth``.
 - ``auth``: etcd identities and roles: each job's own user and role, the controller's
   ``bootstrap`` of etcd auth (imported as ``regroup.etcd.auth``, by the controller only).
-- ``lease``: ``LeaseKeeper``, the owned task that refreshes a lease until cancelled
+- ``lease``: ``LeaseKeeper``, the owned task that refreshes a lease until cancelled;
+  ``renewed_within``, whether another holder's lease was renewed in the last second
   (aetcd has no background keep-alive).
 - ``watch``: ``open_watch`` and ``close_watch``, so a cancellation that lands while
   aetcd creates a watch is never lost.
@@ -33,7 +34,7 @@ from regroup.etcd.client import (
     is_permission_denied,
     make_client,
 )
-from regroup.etcd.lease import LeaseKeeper
+from regroup.etcd.lease import LeaseKeeper, renewed_within
 from regroup.etcd.loop_thread import LoopMark, LoopProblem, LoopThread, LoopThreads, loop_threads
 from regroup.etcd.reflector import Backoff, Deleted, Listed, Put, Reflector, ReflectorEvent, ReflectorState
 from regroup.etcd.settings import Endpoint, EtcdSettings, parse_endpoints
@@ -52,6 +53,7 @@ __all__ = [
     "EtcdUnavailable",
     "EventKind",
     "LeaseKeeper",
+    "renewed_within",
     "Listed",
     "LoopMark",
     "LoopProblem",

@@ -301,7 +301,8 @@ class InPlaceAgent(SigtermNotice, LocalElasticAgent):
                 settings = getattr(handler, "settings", None)  # only the etcd-v3 handler leaves a node out
                 log.warning(LEFT_OUT, reason=str(exc),
                             excluded_timeout_s=settings.timeouts.excluded.total_seconds() if settings else None)
-                getattr(handler, "start_over", lambda reason: None)(str(exc))
+                # Its workers restart ahead of the next join (standby): warming up, no joiner yet.
+                getattr(handler, "start_over", lambda reason, **_: None)(str(exc), warming=in_world and self._standby)
                 if in_world:
                     raise _LeftOut(str(exc)) from exc
             except (ExcludedTooLong, JoinStopped) as exc:

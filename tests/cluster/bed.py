@@ -3,7 +3,8 @@
 The Kubernetes API stand-in (``kubeapi``) with graceful pod deletion, evictions and
 disruption budgets; a kubelet stand-in (``tests.kubeapi.kubelet``) that runs each bound
 pod's container as a real process and restarts or ends it as a kubelet does; each
-container a real ``regroup-run --standby`` agent whose workers run the built-in trainer on
+container a real ``regroup-run --standby`` agent (or plain ``torchrun`` on the ``etcd-v3``
+backend, ``running(..., launcher="torchrun")``) whose workers run the built-in trainer on
 gloo with real checkpoints; real etcd (with client-certificate auth and one identity per job,
 ``running(..., auth=...)``); and the real controller with its Kubernetes adapter.
 Nothing is mocked; the test acts as ``kubectl`` (evict, cordon) and reads what etcd and the
@@ -30,6 +31,7 @@ from kubeapi.server import FakeKubeAPI
 from regroup.controller.settings import ControllerSettings
 from regroup.demo.etcd_server import EtcdServer
 from regroup.etcd import EtcdSettings
+from regroup.etcd.watch import EventKind
 from regroup.etcd.auth import job_user
 from regroup.keys import JobKeys
 from regroup.records import Progress, ReformCause, ReformPhase, ReformPlan
@@ -58,11 +60,16 @@ class Bed:
     trainer: dict[str, Any] = field(default_factory=dict)
     term_grace: float = 30.0
     """``regroup-run --term-grace``: the pods' ``terminationGracePeriodSeconds``."""
+    lease_ttl: float = 2.0
+    """The agents' member lease TTL (``--rdzv-conf lease_ttl``)."""
     spans: InMemorySpanExporter | None = None
     """The controller's exported spans (one trace per finished re-form)."""
     auth: AuthEtcd | None = None
     """An etcd with client-certificate auth: the agents (and through ``regroup-run`` their
     workers) hold only the job's certificate, the controller makes the job's identity."""
+    launcher: str = "regroup-run"
+    """What each container runs: ``regroup-run --standby``, or ``torchrun`` (torch's own
+    agent: every re-form restarts the workers, which load the newest checkpoint)."""
 
     def __post_init__(self) -> None:
         sections = {
@@ -97,18 +104,21 @@ class Bed:
 
     def launch(self, pod: dict[str, Any]) -> ContainerCommand:
         node = pod["spec"]["nodeName"]
+        agent = ["torch.distributed.run"] if self.launcher == "torchrun" else [
+            "regroup.rendezvous.inplace.launcher", "--standby", f"--term-grace={self.term_grace:g}",
+        ]  # fmt: skip
         argv = [
-            sys.executable, "-m", "regroup.rendezvous.inplace.launcher", "--standby",
+            sys.executable, "-m", *agent,
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.etcd.endpoint}", f"--rdzv-id={JOB}",
             "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
-            f"--rdzv-conf={self.rdzv_conf()}", f"--term-grace={self.term_grace:g}",
+            f"--rdzv-conf={self.rdzv_conf()}",
             "--local-addr=127.0.0.1", "-m", "regroup.trainer", "--config", str(self.config),
         ]  # fmt: skip
         env = {**self.env, "POD_NAME": pod["metadata"]["name"], "POD_NAMESPACE": NS, "NODE_NAME": node}
         return ContainerCommand(argv, env, self.root / "logs" / f"{node}.log")
 
     def rdzv_conf(self) -> str:
-        conf = {"lease_ttl": "2", "last_call_timeout": "1", "join_timeout": "300"}
+        conf = {"lease_ttl": f"{self.lease_ttl:g}", "last_call_timeout": "1", "join_timeout": "300"}
         if self.auth is not None:
             conf.update(self.auth.rdzv_conf(job_user(self.keys)))
         return ",".join(f"{k}={v}" for k, v in conf.items())
@@ -186,6 +196,63 @@ async def running(
             for node in nodes:
                 testbed.add(node, restart_policy=restart_policy)
             yield testbed
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of a key under the job, as etcd ordered it."""
+
+    revision: int
+    key: str
+    value: bytes | None
+    """None: deleted."""
+
+
+class History(list[Change]):
+    """The changes seen so far, in etcd's order; ``until`` awaits one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._more = asyncio.Event()
+
+    def add(self, change: Change) -> None:
+        self.append(change)
+        self._more.set()
+
+    async def until(self, what: str, predicate: Callable[[Change], bool], timeout: float = WAIT) -> Change:
+        """The first change that satisfies ``predicate``, awaited if not seen yet."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    found = next((c for c in self if predicate(c)), None)
+                    if found is not None:
+                        return found
+                    self._more.clear()
+                    await self._more.wait()
+        except TimeoutError:
+            raise AssertionError(f"etcd's history did not show: {what} within {timeout:.0f}s") from None
+
+
+@contextlib.asynccontextmanager
+async def history(client: Any, keys: JobKeys) -> AsyncIterator[History]:
+    """Every change under the job's keys from now on, in etcd's order (a watch), while the
+    block runs: what happened before what, from etcd's revisions rather than from clocks."""
+    start = (await client.get_prefix(keys.root.encode())).header.revision + 1
+    changes = History()
+    watch = await client.watch_prefix(keys.root.encode(), start_revision=start)
+
+    async def record() -> None:
+        async for event in watch:
+            deleted = event.kind == EventKind.DELETE
+            changes.add(Change(event.kv.mod_revision, event.kv.key.decode(), None if deleted else event.kv.value))
+
+    recorder = asyncio.create_task(record())
+    try:
+        yield changes
+    finally:
+        await watch.cancel()
+        recorder.cancel()
+        await asyncio.gather(recorder, return_exceptions=True)
 
 
 def done(cause: ReformCause, nodes_after: list[str]) -> Any:

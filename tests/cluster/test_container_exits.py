@@ -17,6 +17,7 @@ gloo, real etcd and the real controller.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,9 @@ async def test_a_killed_agent_container_is_lost_from_its_exit_before_its_lease_a
     kube_api: FakeKubeAPI, kubeconfig: Path, auth: AuthEtcd, controller_client: Any, kube_client: Any,
     tmp_path: Path, worker_env: dict[str, str],
 ) -> None:  # fmt: skip
-    async with running(kube_api, kubeconfig, auth, controller_client, tmp_path, worker_env, ["a", "b", "c"]) as bed:
+    samples = tmp_path / "samples"
+    async with running(kube_api, kubeconfig, auth, controller_client, tmp_path, worker_env, ["a", "b", "c"],
+                       trainer={"data": {"sample_log": str(samples)}}) as bed:  # fmt: skip
         before = await bed.progress("3 ranks training", lambda p: p.world_size == 3 and p.step >= 5)
         # Everything the agents and trainers wrote, they wrote as the job's identity, which
         # the controller made from the pods: there is no other certificate in their hands.
@@ -96,6 +99,15 @@ async def test_a_killed_agent_container_is_lost_from_its_exit_before_its_lease_a
         assert spans[0].start_time == int(done.detected_at * 1e9), spans[0]
         assert spans[0].end_time == int(done.resumed_at * 1e9), spans[0]
         assert spans[0].attributes["regroup.cause"] == "node-lost"
+        # The survivors rebuilt in place from the snapshots: the steps lost are those past the
+        # resumed one that any rank of the worlds before completed, by their sample logs.
+        rows = [json.loads(line) for path in samples.glob("samples-*.jsonl") for line in path.read_text().splitlines()]
+        reached = max(row["step"] for row in rows if row["round"] < done.round_after)
+        assert done.lost_steps == reached - done.resumed_from_step, (reached, done)
+        assert spans[0].attributes["regroup.lost_steps"] == done.lost_steps
+        told = await bed.until("the loss's Resized Event",
+                               lambda _: [e for e in bed.kube_events("Resized") if "loss of b" in e["message"]])  # fmt: skip
+        assert f", {done.lost_steps} step{'' if done.lost_steps == 1 else 's'} lost, " in told[0]["message"], told[0]
 
         # The restarted container's agent registered after the exit: not a loss, a joiner.
         grown = await bed.plan("b back in the job", lambda p: p.generation > plan.generation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import timedelta
 
 import pytest
@@ -21,6 +22,7 @@ from regroup.controller.snapshot import (
     WriteReform,
     WriteStatus,
 )
+from regroup.controller.status import render
 from regroup.records import Progress
 
 from .builders import T0, Scene, acked, annotations, applied, decide, job, member, of, pod, with_taint
@@ -152,6 +154,29 @@ def test_grow_gathers_joiners_for_the_join_window_then_checkpoints() -> None:
     assert plan.plan.detected_at == T0
 
 
+def test_a_joiner_warming_up_is_reported_never_held_for_and_grows_the_job_once_warm() -> None:
+    """A healed node left out of the round restarts its standby workers before it asks to
+    join: until they are up the survivors train on (no checkpoint, no hold) and the status
+    names it; once its member record says warm, the grow starts in that decision."""
+    notes = annotations(2, 3, join_window="5s")
+    s = job(("n1", "n2"), notes=notes).with_node(NodeInfo("n3")).with_pod(pod("n3", notes))
+    warming = dataclasses.replace(member("n3", 0, joined_at=T0), warming_since=T0, not_before=T0 + 3600)
+    s = s.with_member(warming, at=T0)
+    s, d = step(s, T0 + 1)
+    assert not of(d.actions, WritePlan) and not of(d.actions, WriteCheckpointRequest), d.reason
+    assert d.reason.endswith("1 warming up to join (n3)")
+    assert s.status.warming == ["n3"] and s.status.spares == []
+    report = {"namespace": "ml", "job": "llm", "state": "healthy", "status": json.loads(s.status.to_json()), "members": []}
+    shown = render(report)
+    assert "  warming up to join: n3 (their workers are starting)" in shown.splitlines()
+    # 14 s of warm-up later (the join window long closed) its workers wait: grow at once.
+    s = s.with_member(dataclasses.replace(warming, warming_since=0.0, not_before=0.0), at=T0 + 15)
+    d = decide(s, T0 + 15, S)
+    [plan] = of(d.actions, WritePlan)
+    assert plan.plan.cause == "grow" and plan.plan.nodes_after == ["n1", "n2", "n3"]
+    assert of(d.actions, WriteCheckpointRequest) and "warming" not in d.reason
+
+
 def test_grow_after_window_with_room_left_and_clamped_to_max() -> None:
     notes = annotations(1, 3, join_window="5s")
     s = job(("n1",), notes=notes)
@@ -219,21 +244,38 @@ def test_signals_during_a_reform_are_folded_into_the_next_decision() -> None:
     # The round forms and the trainer resumes; the plan finishes, then n3's notice starts the next one.
     s, d = step(s.with_members(member(n, 2) for n in ("n1", "n2", "n3")), T0 + 3)
     assert s.plan.phase == "resume" and s.plan.round_after == 2
-    s = s.with_progress(Progress(step=51, loss=1.0, samples_seen=0, world_size=6, time=T0 + 4, resumed_from_step=120), 99)
+    s = s.with_progress(Progress(step=51, loss=1.0, samples_seen=0, world_size=6, time=T0 + 4, resumed_from_step=120,
+                                 last_step=120), 99)
     s, d = step(s, T0 + 4)
     assert s.plan.phase == "done" and s.plan.outcome == "completed" and s.plan.lost_steps == 0
     s, d = step(s, T0 + 5)
     assert s.plan.generation == g + 1 and s.plan.nodes_after == ["n1", "n2"] and s.plan.phase == "checkpoint"
 
 
-def test_lost_steps_count_from_the_last_step_before_to_the_resumed_step() -> None:
+def test_lost_steps_count_from_the_trainers_last_step_before_to_the_resumed_step() -> None:
+    """The controller saw step 230 when it asked; the trainers had completed 235 by the time
+    the world broke, and say so: 35 lost, not 30 (the controller's view is a publishing
+    interval behind)."""
     s = job(step=230).without_member("n3")
     s, _ = step(s, T0)
     assert s.plan.step_before == 230
     s, _ = step(s.with_members(member(n, 2) for n in ("n1", "n2")), T0 + 1)
-    s = s.with_progress(Progress(step=200, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2, resumed_from_step=200), 50)
+    s = s.with_progress(Progress(step=201, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2, resumed_from_step=200,
+                                 last_step=235), 50)
     s, _ = step(s, T0 + 2)
-    assert s.plan.outcome == "completed" and s.plan.lost_steps == 30
+    assert s.plan.outcome == "completed" and s.plan.lost_steps == 35
+
+
+def test_lost_steps_are_unknown_when_the_trainers_do_not_say() -> None:
+    """No ``last_step`` from the trainers (none of them knew a step before this world): -1,
+    never the controller's own stale view of their progress."""
+    s, _ = step(job(step=230).without_member("n3"), T0)
+    s, _ = step(s.with_members(member(n, 2) for n in ("n1", "n2")), T0 + 1)
+    s = s.with_progress(Progress(step=201, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2, resumed_from_step=200), 50)
+    s, d = step(s, T0 + 2)
+    assert s.plan.outcome == "completed" and s.plan.lost_steps == -1
+    [resized] = [a for a in d.actions if getattr(a, "reason", None) == "Resized"]
+    assert "steps lost unknown" in resized.message
 
 
 def _resuming_after_a_loss() -> Scene:

@@ -200,7 +200,7 @@ async def test_a_preempted_member_pod_is_checkpointed_out_and_kept_out(kube_api,
         await cluster.member(JOB, "n3", 2)
         await cluster.drop_member(JOB, "n2")
         await cluster.wait_record(E2E_KEYS.plan, ReformPlan, lambda p: p.phase == "resume")
-        await cluster.progress(JOB, 11, 4, resumed_from=10)
+        await cluster.progress(JOB, 11, 4, resumed_from=10, last_step=10)
         plan = await cluster.wait_record(E2E_KEYS.plan, ReformPlan, lambda p: p.phase == "done")
         assert plan.outcome == "completed" and plan.planned and plan.lost_steps == 0
         # Every pod of the job is told, with a Normal Event.

@@ -21,6 +21,7 @@ from regroup.records import FinishedJob, JobStatus
 from regroup.rendezvous.handler import EtcdV3RendezvousHandler
 from regroup.rendezvous.settings import parse_settings
 from tests.etcd_helpers import AuthEtcd, auth_etcd
+from tests.scratch import scratch
 
 from .harness import NS, Cluster, controller, fast_settings, notes
 
@@ -29,8 +30,8 @@ KEYS = JobKeys(NS, JOB)
 
 
 @pytest.fixture(scope="module")
-def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthEtcd]:
-    with auth_etcd(tmp_path_factory.mktemp("auth-etcd")) as server:
+def auth(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthEtcd]:
+    with scratch(request, tmp_path_factory, "auth-etcd") as root, auth_etcd(root) as server:
         yield server
 
 

@@ -30,9 +30,14 @@ def running(hosts: dict[str, str] | None = None, pod_ips: dict[str, str] | None 
     return s
 
 
-def reported(s: Scene, node: str, peer: str, at: float = FAILED_AT, round_: int = 1, seen: float | None = None) -> Scene:
-    """``node``'s agent records that a collective of ``round_`` failed on ``peer`` at ``at``."""
-    m = dataclasses.replace(s.members[node], peer_failure_round=round_, peer_failure_at=at, failed_peer=peer)
+def reported(
+    s: Scene, node: str, peer: str, at: float = FAILED_AT, round_: int = 1, seen: float | None = None,
+    silent: tuple[str, ...] = (),
+) -> Scene:  # fmt: skip
+    """``node``'s agent records that a collective of ``round_`` failed on ``peer`` at ``at``
+    (and, with ``silent``, that those members' leases then went unrenewed)."""
+    m = dataclasses.replace(s.members[node], peer_failure_round=round_, peer_failure_at=at, failed_peer=peer,
+                            silent_peers=list(silent))  # fmt: skip
     return s.with_member(m, at=seen if seen is not None else at + 0.1)
 
 
@@ -86,3 +91,42 @@ def test_an_ambiguous_or_missing_name_accuses_nobody() -> None:
 def test_a_report_from_an_earlier_round_is_stale() -> None:
     s = reported(running(), "n1", "10.0.0.2", round_=0)
     assert plan_of(decide(s, SETTLED + 5, S)) is None
+
+
+def test_a_member_whose_lease_went_unrenewed_is_lost_from_the_failure_where_no_address_names_it() -> None:
+    shared = {"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}  # one machine: no name by address
+    s = reported(running(shared), "n1", "127.0.0.1", silent=("n2",), seen=FAILED_AT + 1.2)
+    plan = plan_of(decide(s, FAILED_AT + 1.2, S))
+    assert plan is not None and plan.cause == "node-lost" and plan.nodes_after == ["n1", "n3"]
+    assert plan.reason == "lost n2 (its lease went unrenewed after a collective of round 1 failed (seen by n1))"
+    assert plan.detected_at == FAILED_AT
+    # gloo may name no peer at all: the probe alone is enough.
+    plan = plan_of(decide(reported(running(), "n3", "", silent=("n2",)), SETTLED, S))
+    assert plan is not None and plan.nodes_after == ["n1", "n3"]
+
+
+def test_a_silent_name_never_accuses_the_reporter_a_reporter_or_a_node_outside_the_round() -> None:
+    for s in (
+        reported(running(), "n1", "", silent=("n1",)),  # itself
+        reported(reported(running(), "n3", ""), "n1", "", silent=("n3",)),  # n3 reported: alive
+        reported(running(), "n1", "", silent=("n9",)),  # not of the round
+        reported(running(), "n1", "", silent=("n2",), round_=0),  # an earlier round's
+    ):
+        assert plan_of(decide(s, SETTLED + 5, S)) is None
+
+
+def test_the_record_of_an_agent_named_dead_is_no_joiner_a_new_agent_of_its_node_is() -> None:
+    shared = {"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}
+    s = reported(running(shared), "n1", "127.0.0.1", silent=("n2",))
+    # Round 2 formed without n2; the survivors' records keep their report of round 1, and
+    # n2's record stands (round 1) until its lease runs out.
+    s = s.round_formed(2, ["n1", "n3"], at=T0 + 3)
+    for n in ("n1", "n3"):
+        s = s.with_member(dataclasses.replace(s.members[n], round=2), at=T0 + 3)
+    assert s.members["n2"].round == 1
+    d = decide(s, T0 + 60, S)  # any join window long closed
+    assert plan_of(d) is None and "join" not in d.reason, d.reason
+    # Its node's new agent registers afresh: a joiner, and the job grows back.
+    s = s.with_member(dataclasses.replace(s.members["n2"], round=0, joined_at=T0 + 61), at=T0 + 61)
+    plan = plan_of(decide(s, T0 + 120, S))
+    assert plan is not None and plan.cause == "grow" and sorted(plan.nodes_after) == ["n1", "n2", "n3"]

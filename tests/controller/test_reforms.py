@@ -48,7 +48,7 @@ async def test_planned_shrink_checkpoints_first_and_the_ack_gates_the_reform(clu
         await cluster.drop_member(JOB, "n2")
         await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "resume")
         # The survivors kept their processes; rank 0 says so, and where the resume time went.
-        await cluster.progress(JOB, 12, 4, resumed_from=12, round=2, reform_mode="in-place",
+        await cluster.progress(JOB, 12, 4, resumed_from=12, last_step=12, round=2, reform_mode="in-place",
                                resume_phases={"process_group": 0.002, "reshard": 0.003})
         plan = await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "done")
         assert plan.outcome == "completed" and plan.planned and plan.lost_steps == 0 and plan.mode == "in-place"

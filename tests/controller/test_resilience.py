@@ -132,7 +132,7 @@ async def test_status_shows_members_progress_and_the_last_reform(cluster, kube_a
         await cluster.member(JOB, "n1", 2)
         await cluster.member(JOB, "n2", 2)
         await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "resume")
-        await cluster.progress(JOB, 9, 4, resumed_from=8)
+        await cluster.progress(JOB, 9, 4, resumed_from=8, last_step=10)
         await cluster.wait_record(KEYS.plan, ReformPlan, lambda p: p.phase == "done")
         await cluster.wait_record(KEYS.status, JobStatus, lambda s: s.state == "healthy" and s.node_count == 2)
     report = await job_status(KEYS, etcd_settings)

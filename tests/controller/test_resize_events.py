@@ -52,7 +52,7 @@ def test_a_completed_reform_posts_resized_on_every_pod_and_only_then() -> None:
     s = applied(s, decide(s, T0 + 1, S).actions, T0 + 1)
     assert s.plan.phase == "resume"
     s = s.at(T0 + 2.5).with_progress(
-        Progress(step=229, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2.5, resumed_from_step=228), 50
+        Progress(step=229, loss=1.0, samples_seen=0, world_size=4, time=T0 + 2.5, resumed_from_step=228, last_step=230), 50
     )
     d = decide(s, T0 + 2.5, S)
     [events] = [a for a in d.actions if isinstance(a, PostPodEvents) and a.reason == "Resized"]

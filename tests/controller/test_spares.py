@@ -48,9 +48,9 @@ def at_max(spares: tuple[str, ...] = ("n5",), **notes: str) -> Scene:
     return s.at(T0 + 5)
 
 
-def resumed(s: Scene, order: list[str], round_: int, at: float, resumed_from: int = 98) -> Scene:
+def resumed(s: Scene, order: list[str], round_: int, at: float, resumed_from: int = 98, last_step: int = 100) -> Scene:
     """The agents formed round ``round_`` in ``order`` (the nodes the plan left out went) and
-    the trainer took its first step there."""
+    the trainer took its first step there, after ``last_step`` in the world before."""
     s = s.without_member(*(n for n in s.plan.nodes_before if n not in order))
     s = s.round_formed(round_, order, in_order=True, at=at)
     for node in order:
@@ -58,7 +58,7 @@ def resumed(s: Scene, order: list[str], round_: int, at: float, resumed_from: in
     s, _ = step(s, at)
     assert s.plan.phase == "resume"
     progress = Progress(step=resumed_from + 1, loss=1.0, samples_seen=0, world_size=2 * len(order), time=at + 0.5,
-                        resumed_from_step=resumed_from, round=round_)
+                        resumed_from_step=resumed_from, last_step=last_step, round=round_)
     return s.at(at + 0.5).with_progress(progress, 50 + round_)
 
 
@@ -305,7 +305,7 @@ async def test_a_spare_replaces_a_lost_node_end_to_end_and_status_metrics_and_th
             await cluster.member(JOB, node, 2, joined_at=joined)
         await round_formed(2, ["n3", "n4", "n2"])
         await cluster.wait_record(keys.plan, ReformPlan, lambda p: p.phase == "resume")
-        await cluster.progress(JOB, 10, 6, resumed_from=9, round=2)
+        await cluster.progress(JOB, 10, 6, resumed_from=9, last_step=10, round=2)
         plan = await cluster.wait_record(keys.plan, ReformPlan, lambda p: p.phase == "done")
         assert plan.outcome == "completed" and plan.strategy == "replace"
         told = await kube_api.wait_for(lambda api: [e for e in api.events(NS) if e["reason"] == "NodeReplaced"])

@@ -101,7 +101,7 @@ def test_a_taken_over_loss_is_traced_from_the_container_exit_to_the_trainers_res
     later = T0 + 20
     s = s.round_formed(2, ("n1", "n2"), at=later, formed_at=T0 + 2.2)
     first = Progress(step=101, loss=1.0, samples_seen=0, world_size=4, time=T0 + 3.1, resumed_from_step=100,
-                     reform_mode="in-place", resume_phases={"process_group": 0.5, "reshard": 0.25, "first_step": 0.5})
+                     last_step=100, reform_mode="in-place", resume_phases={"process_group": 0.5, "reshard": 0.25, "first_step": 0.5})
     s = s.at(later).with_members(member(n, 2, joined_at=T0 - 600) for n in ("n1", "n2")).with_progress(first, 50)
     s, _ = step(s, later, settings)
     s, _ = step(s, later, settings)

@@ -18,6 +18,7 @@ import pytest
 
 from regroup.demo.analysis import RunData, load_run
 from tests.demo.demo_runs import DemoPlay, first_part_of_short, script_command
+from tests.scratch import scratch
 
 PLAYS: dict[str, Callable[[Path], list[str]]] = {
     "short_run": lambda out: ["--scenario", "short"],
@@ -30,13 +31,14 @@ class Plays:
     """The session's demo runs, by fixture name; one asked for that was not started yet
     starts then."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
-        self._tmp = tmp_path_factory
+    def __init__(self, root: Path) -> None:
+        self._root = root
         self._plays: dict[str, DemoPlay] = {}
 
     def start(self, name: str) -> DemoPlay:
         if name not in self._plays:
-            out = self._tmp.mktemp(name.replace("_", "-"))
+            out = self._root / name.replace("_", "-")
+            out.mkdir()
             self._plays[name] = DemoPlay(out, *PLAYS[name](out))
         return self._plays[name]
 
@@ -58,21 +60,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[i] = item
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def demo_plays(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plays]:
     """Every run of ``PLAYS`` that a test of this session uses, started at once with the
-    first test of this folder."""
+    first test of this folder; their folders go with this folder's last test."""
     used = {name for item in request.session.items for name in getattr(item, "fixturenames", ()) if name in PLAYS}
-    plays = Plays(tmp_path_factory)
-    try:
-        for name in sorted(used):
-            plays.start(name)
-        yield plays
-    finally:
-        plays.stop()
+    with scratch(request, tmp_path_factory, "demo") as root:
+        plays = Plays(root)
+        try:
+            for name in sorted(used):
+                plays.start(name)
+            yield plays
+        finally:
+            plays.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def short_run(demo_plays: Plays) -> RunData:
     """``regroup demo --scenario short`` to its end (about 2 minutes on 2 idle cores)."""
     play = demo_plays.start("short_run")
@@ -83,7 +86,7 @@ def short_run(demo_plays: Plays) -> RunData:
     return load_run(run_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def script_run(demo_plays: Plays) -> tuple[RunData, str]:
     """``regroup demo --script`` on the short scenario's first 52 s, to its end."""
     play = demo_plays.start("script_run")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from regroup.elastic.memory.reshard import CHUNK, NONE, WHOLE, Choice, can_redistribute, choose
 from tests.elastic.harness import run_all
+from tests.scratch import scratch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,11 +59,11 @@ def _run(out: Path, worker: str, procs: int, spec: dict[str, Any], timeout: floa
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One run of the three processes through every scenario (they import torch once)."""
-    out = tmp_path_factory.mktemp("reshard-in-memory")
-    _run_workers(out)
-    return out
+    with scratch(request, tmp_path_factory, "reshard-in-memory") as out:
+        _run_workers(out)
+        yield out
 
 
 @pytest.fixture(params=sorted(SCENARIOS))
@@ -171,11 +173,11 @@ def test_shrink_refuses_on_every_rank_instead_of_hanging(grown: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def replaced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def replaced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One run of the four processes of ``reshard_replace_worker``."""
-    out = tmp_path_factory.mktemp("reshard-replace")
-    _run(out, "tests.elastic.reshard_replace_worker", 4, {"bucket_bytes": REPLACE_BUCKET_BYTES}, 240)
-    return out
+    with scratch(request, tmp_path_factory, "reshard-replace") as out:
+        _run(out, "tests.elastic.reshard_replace_worker", 4, {"bucket_bytes": REPLACE_BUCKET_BYTES}, 240)
+        yield out
 
 
 def _replace_results(out: Path) -> list[dict[str, Any]]:

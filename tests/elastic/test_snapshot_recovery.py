@@ -27,12 +27,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from regroup.controller.decide.phases import lost_steps
 from regroup.demo.etcd_server import EtcdServer
 from regroup.records import Progress
 from tests.conftest import REPO
 from tests.rendezvous.inplace_job import InPlaceJob
 from tests.elastic.harness import BackgroundTorchrun, flat_tensors, full_state, run_all, step_losses, write_config
 from tests.elastic.test_resize import LOSS_RTOL, PARAM_ATOL
+from tests.scratch import scratch
 
 pytestmark = pytest.mark.slow
 
@@ -74,13 +76,14 @@ class StraightRun:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
+def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
     """The run that never lost a node, started with the first test that compares with it."""
-    run = StraightRun(tmp_path_factory.mktemp("straight"), len(NODES), COMMON)
-    try:
-        yield run
-    finally:
-        run.close()
+    with scratch(request, tmp_path_factory, "straight") as root:
+        run = StraightRun(root, len(NODES), COMMON)
+        try:
+            yield run
+        finally:
+            run.close()
 
 
 def _steps_done(folder: Path, world: int) -> list[int]:
@@ -108,11 +111,15 @@ def busy_cores(env: dict[str, str]) -> Iterator[int]:
             spinner.wait()
 
 
-def _lost_steps(job: InPlaceJob, shrunk: Progress) -> int:
-    """Steps the survivors train again: from the newest step any rank of the four completed
-    (its sample log, or the trainers' own ``last_step``) back to the step the three resumed from."""
-    reached = max([*_steps_done(job.root / "samples", 4), shrunk.last_step])
-    return reached - shrunk.resumed_from_step
+def _lost_steps(job: InPlaceJob, resumed: Progress, worlds: tuple[int, ...] = (4,)) -> int:
+    """Steps the new world trains again, from the sample logs: the newest step any rank of
+    the worlds before (of ``worlds`` ranks) completed, back to the step it resumed from. The
+    trainers' own account (``last_step``), and the controller's count from it, say the same."""
+    reached = max(step for world in worlds for step in _steps_done(job.root / "samples", world))
+    assert resumed.last_step == reached, f"the trainers say {resumed.last_step}, their sample logs {reached}"
+    lost = reached - resumed.resumed_from_step
+    assert lost_steps(resumed) == lost
+    return lost
 
 
 def finish_and_compare(
@@ -189,6 +196,9 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
         )
         assert "load" in fallen.resume_phases and "reshard" not in fallen.resume_phases, fallen.resume_phases
         assert fallen.resumed_from_step % 4 == 0 and fallen.resumed_from_step >= before.extra["last_committed_step"]
+        # Loaded from the checkpoint: every step past it that a rank of the three (or of the
+        # four) completed is trained again.
+        assert _lost_steps(job, fallen, worlds=(4, 3)) >= 0
         finish_and_compare(job, [left[0]], straight, tmp_path)
     finally:
         job.close()

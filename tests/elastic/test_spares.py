@@ -12,6 +12,7 @@ loss shrinks the job as before.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +20,13 @@ from typing import Any
 
 import pytest
 
+from regroup.controller.decide.phases import lost_steps
 from regroup.demo.etcd_server import EtcdServer
 from regroup.exit_codes import LEFT_JOB
 from regroup.records import Progress
 from tests.rendezvous.inplace_job import InPlaceJob
 from tests.elastic.test_snapshot_recovery import StraightRun, finish_and_compare
+from tests.scratch import scratch
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +43,15 @@ COMMON: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
+def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
     """The run at two ranks that never lost a node, started with the first test that
     compares with it: it trains while that test's job starts and waits on its re-forms."""
-    run = StraightRun(tmp_path_factory.mktemp("straight"), len(ACTIVE), COMMON)
-    try:
-        yield run
-    finally:
-        run.close()
+    with scratch(request, tmp_path_factory, "straight") as root:
+        run = StraightRun(root, len(ACTIVE), COMMON)
+        try:
+            yield run
+        finally:
+            run.close()
 
 
 @pytest.fixture
@@ -104,11 +108,17 @@ def _replaced(job: InPlaceJob, before: Progress, what: str) -> Progress:
     )
 
 
-def _lost(after: Progress) -> int:
-    """Steps the new world trains again: from the newest step any rank of the world before
-    completed (the trainers' own account, ``last_step``) back to the step it resumed from."""
-    assert after.last_step >= 0, after
-    return after.last_step - after.resumed_from_step
+def _lost(job: InPlaceJob, after: Progress) -> int:
+    """Steps the new world trains again: from the newest step any rank of the worlds before
+    completed (their sample logs) back to the step it resumed from. The trainers' own account
+    (``last_step``), and the controller's count from it, say the same."""
+    rows = [json.loads(line) for path in (job.root / "samples").glob("samples-*.jsonl")
+            for line in path.read_text().splitlines()]  # fmt: skip
+    reached = max(row["step"] for row in rows if row["round"] < after.round)
+    assert after.last_step == reached, f"the trainers say {after.last_step}, their sample logs {reached}"
+    lost = reached - after.resumed_from_step
+    assert lost_steps(after) == lost
+    return lost
 
 
 def _resharded(job: InPlaceJob, node: str) -> dict[str, Any]:
@@ -134,7 +144,7 @@ def test_two_nodes_killed_are_replaced_by_two_spares_in_their_positions_then_the
     after = _replaced(job, before, "training at 2 ranks again, c in b's place")
     assert after.reform_mode == "in-place"
     assert "reshard" in after.resume_phases and "load" not in after.resume_phases, after.resume_phases
-    assert _lost(after) <= 1
+    assert _lost(job, after) <= 1
     assert job.workers("a") == warm["a"] and job.workers("c") == warm["c"], "no process restarted"
     assert _ranks(job, "c")[-1] == 1 and _ranks(job, "a")[-1] == 0, "c took b's position"
     mine, theirs = _resharded(job, "a"), _resharded(job, "c")
@@ -146,7 +156,7 @@ def test_two_nodes_killed_are_replaced_by_two_spares_in_their_positions_then_the
     before = job.await_progress(f"{second} steps on", lambda p: p.round == after.round and p.step >= after.step + second)
     job.kill_node("a")
     again = _replaced(job, before, "training at 2 ranks again, d in a's place")
-    assert _lost(again) <= 1
+    assert _lost(job, again) <= 1
     # Rank 0 is now the spare's worker: it waited warm, no process was started for this world.
     assert again.reform_mode == "in-place" and "startup" not in again.resume_phases, again
     assert job.workers("d") == warm["d"] and job.workers("c") == warm["c"]
@@ -176,7 +186,7 @@ def test_a_planned_leave_migrates_to_the_spare_with_no_step_lost(job: InPlaceJob
     job.reform(4, ["a", "c"], cause="reclaim")
     after = _replaced(job, before, "training at 2 ranks, c in b's place")
     assert after.resumed_from_step == ack.step, "0 steps lost"
-    assert after.last_step == ack.step
+    assert _lost(job, after) == 0
     assert "reshard" in after.resume_phases and "load" not in after.resume_phases, after.resume_phases
     assert _ranks(job, "c")[-1] == 1 and _ranks(job, "a")[-1] == 0
     assert job.workers("a") == warm["a"] and job.workers("c") == warm["c"]

@@ -16,6 +16,7 @@ and the re-form's peak stayed within what docs/trainer.md ("Host memory") states
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 
 from bench.scale.launch import run_chain
 from bench.scale.report import chart, render, summarize
+from tests.scratch import scratch
 
 MODEL = {"vocab_size": 1000, "dim": 512, "n_layers": 8, "n_heads": 4, "seq_len": 16}
 BUCKET = 8 << 20
@@ -34,16 +36,16 @@ Records = list[list[dict[str, Any]]]
 
 
 @pytest.fixture(scope="module", params=["fsdp", "ddp"])
-def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Records:
-    root: Path = tmp_path_factory.mktemp(f"state-sizes-{request.param}")
-    spec = {
-        "wrap": request.param,
-        "model": MODEL,
-        "checkpoint_dir": str(root / "checkpoints"),
-        "bucket_bytes": BUCKET,
-        "steady_steps": 1,
-    }
-    return run_chain(spec, PROCS, root / "out", timeout=600)
+def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Records]:
+    with scratch(request, tmp_path_factory, f"state-sizes-{request.param}") as root:
+        spec = {
+            "wrap": request.param,
+            "model": MODEL,
+            "checkpoint_dir": str(root / "checkpoints"),
+            "bucket_bytes": BUCKET,
+            "steady_steps": 1,
+        }
+        yield run_chain(spec, PROCS, root / "out", timeout=600)
 
 
 def _members(chain: Records, path: str) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from tests.examples.harness import (
 )
 from tests.rendezvous.inplace_job import wait_for
 from tests.elastic.test_resize import LOSS_RTOL
+from tests.scratch import scratch
 
 pytestmark = pytest.mark.slow
 
@@ -85,27 +86,38 @@ def example(request: pytest.FixtureRequest) -> Example:
     return request.param  # type: ignore[no-any-return]
 
 
+class StraightRuns(dict[str, StraightRun]):
+    """The uninterrupted run of each example by name, in folders under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StraightRun]]:
+def straight_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[StraightRuns]:  # fmt: skip
     """The uninterrupted run of each example, by name. Its script and arguments are the same
     in every test of the example, so those tests compare with one run."""
-    runs: dict[str, StraightRun] = {}
-    try:
-        yield runs
-    finally:
-        for running in runs.values():
-            running.close()
+    with scratch(request, tmp_path_factory, "straight") as root:
+        runs = StraightRuns(root)
+        try:
+            yield runs
+        finally:
+            for running in runs.values():
+                running.close()
 
 
 @pytest.fixture
 def straight(
-    straight_runs: dict[str, StraightRun], tmp_path_factory: pytest.TempPathFactory, worker_env: dict[str, str],
-    example: Example,
+    straight_runs: StraightRuns, worker_env: dict[str, str], example: Example,
 ) -> StraightRun:  # fmt: skip
     """The uninterrupted run on 2 ranks, started first (by the first test of its example):
     it trains while the job waits."""
     if example.name not in straight_runs:
-        root = tmp_path_factory.mktemp(f"straight-{example.name}")
+        root = straight_runs.root / example.name
+        root.mkdir()
         straight_runs[example.name] = StraightRun(example, 2, root, worker_env)
     return straight_runs[example.name]
 

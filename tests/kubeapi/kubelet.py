@@ -152,10 +152,12 @@ class Kubelet:
         container.known.update(kill_tree(container.pid))
         await asyncio.shield(container.exited)
 
-    async def kill_node(self, name: str) -> None:
+    async def kill_node(self, name: str, *, status_unknown: bool = True) -> None:
         """Ends node `name` as a crash does: every process of its pods is SIGKILLed (frozen
         first, so none forks in between), its conditions turn Unknown as the node controller
-        sets them when the kubelet stops posting, and its pods stay as they are in the API."""
+        sets them when the kubelet stops posting, and its pods stay as they are in the API.
+        ``status_unknown=False``: the first 40 s of a dead node, before the node controller
+        notices: nothing at all is written to the API (the node reads Ready)."""
         if name not in self._nodes:
             raise ValueError(f"kill_node: {name!r} is not one of this kubelet's nodes {sorted(self._nodes)}")
         self._nodes.discard(name)
@@ -164,7 +166,7 @@ class Kubelet:
             del self._runs[run.uid]
         await self._cancel(runs)
         await asyncio.gather(*(self._end(run, graceful=False) for run in runs))
-        node = self._api.get("Node", name)
+        node = self._api.get("Node", name) if status_unknown else None
         if node is not None:
             now = timestamp(self._clock())
             unknown = [

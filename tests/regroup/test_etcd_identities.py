@@ -31,14 +31,15 @@ from regroup.etcd.auth import (
 from regroup.etcd.settings import certificate_cn
 from regroup.keys import JobKeys
 from tests.etcd_helpers import AuthEtcd, auth_etcd, bootstrap_cli
+from tests.scratch import scratch
 
 NS = "ml"
 
 
 @pytest.fixture(scope="module")
-def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthEtcd]:
+def auth(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthEtcd]:
     """One authenticated etcd for the module; each test uses jobs of its own."""
-    with auth_etcd(tmp_path_factory.mktemp("auth-etcd")) as server:
+    with scratch(request, tmp_path_factory, "auth-etcd") as root, auth_etcd(root) as server:
         yield server
 
 

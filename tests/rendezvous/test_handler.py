@@ -218,12 +218,19 @@ def test_an_agent_left_out_starts_over_as_a_new_joiner_and_gives_up_only_after_e
         with pytest.raises(ExcludedFromRound):
             future.result(20)
         assert handler.in_round(), "its workers still hold ranks of the round before: theirs to hand over"
-        handler.start_over("left out")
+        handler.start_over("left out", warming=handler is b)  # n1 restarts standby workers first
         assert not handler.in_round()
     # Each is a new agent of its node now (the round never admits the one it left out), in no round.
     wait_until(lambda: all(a.view.members[n].joined_at > old[n] for n in old), 10, "n1 and n2 as new agents")
     assert {a.view.members[n].round for n in old} == {0}
+    # n1 says it is warming up, and asks not to be counted until it joins; n2 is a joiner now.
+    warming, joiner = a.view.members["n1"], a.view.members["n2"]
+    assert warming.warming_since > 0 and warming.not_before > time.time() + 600
+    assert joiner.warming_since == joiner.not_before == 0
     back, given_up = agents.join(b, c)
+    # Joining is being warm (its workers are up): the record says so at once.
+    wait_until(lambda: a.view.members["n1"].warming_since == a.view.members["n1"].not_before == 0, 10,
+               "n1 warm")
     # n2 is not let back in within its excluded_timeout: it gives up, naming why.
     gives_up = r"left out; out of the job for excluded_timeout 1s, leaving it \(exit 75\)"
     with pytest.raises(ExcludedTooLong, match=gives_up):

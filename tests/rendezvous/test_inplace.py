@@ -6,6 +6,7 @@ test plays the controller where a scenario needs one, by writing its etcd record
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections import Counter
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from regroup.controller.decide.phases import lost_steps
 from regroup.demo.etcd_server import EtcdServer
-from tests.rendezvous.inplace_job import InPlaceJob
+from tests.rendezvous.inplace_job import JOB, InPlaceJob, wait_for
 from tests.elastic.harness import BackgroundTorchrun, flat_tensors, full_state, step_losses, write_config
 from tests.elastic.test_resize import LOSS_RTOL, PARAM_ATOL, _samples
 from regroup.elastic.checkpoint.folders import latest_committed
@@ -186,19 +188,50 @@ def test_a_worker_that_cannot_reform_in_place_falls_back_to_a_restart(
         job.close()
 
 
-def test_plain_torchrun_keeps_the_restart_path(job: InPlaceJob) -> None:
-    """``--in-place=off`` is torchrun's way: every membership change restarts the workers."""
-    pids = _start(job, ["a", "b", "c"], in_place="off", standby=False)
-    job.await_progress("a committed checkpoint", lambda p: (p.extra.get("last_committed_step") or 0) >= 5)
-    job.kill_node("c")
-    shrunk = job.await_progress(
-        "training at 2 ranks", lambda p: p.world_size == 2 and p.step > p.resumed_from_step > 0
-    )
-    assert shrunk.reform_mode == "restart"
-    assert "startup" in shrunk.resume_phases and "load" in shrunk.resume_phases
-    assert all(job.workers(n) != pids[n] for n in ("a", "b"))
-    committed = latest_committed(job.root / "ckpt")
-    assert committed is not None and committed >= shrunk.resumed_from_step
+def _steps(samples: Path, world: int) -> list[int]:
+    """Steps some rank of a world of ``world`` ranks completed (their sample logs)."""
+    return [json.loads(line)["step"] for path in samples.glob(f"samples-w{world}-r*.jsonl")
+            for line in path.read_text().splitlines()]  # fmt: skip
+
+
+def test_plain_torchrun_keeps_the_restart_path(etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]) -> None:
+    """``--in-place=off`` is torchrun's way: every membership change restarts the workers.
+    The node lost is rank 0's, whose progress record is published every interval and dies
+    with it: the restarted workers still count every step past the checkpoint they load as
+    lost, from the record their nodes kept of the steps their workers completed."""
+    samples = tmp_path / "job" / "samples"
+    trainer = {
+        "data": {"sample_log": str(samples)},
+        # A commit every 30 steps, the kill 12 past one: the next commit is 18 steps away, for
+        # a loaded machine's slow look and kill.
+        "checkpoint": {"dir": str(tmp_path / "job" / "ckpt"), "every_steps": 30},
+        # Published every 2 s (production's default is 5 s), and before each commit.
+        "etcd": {"endpoint": etcd.endpoint, "job": JOB, "progress_interval": "2s"},
+    }
+    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
+    try:
+        pids = _start(job, ["a", "b", "c"], in_place="off", standby=False)
+        seen = job.await_progress("a committed checkpoint", lambda p: (p.extra.get("last_committed_step") or 0) >= 30)
+        # Killed between two commits (progress is also published before each), a few steps
+        # past the progress record seen.
+        past = next(step for step in range(seen.step + 3, seen.step + 33) if step % 30 == 12)
+        wait_for(lambda: max(_steps(samples, 3), default=0) >= past, 60, f"a rank at step {past}")
+        [rank_zero] = [n for n in ("a", "b", "c") if job.events(n, "world formed")[0]["rank"] == 0]
+        job.kill_node(rank_zero)
+        shrunk = job.await_progress(
+            "training at 2 ranks", lambda p: p.world_size == 2 and p.step > p.resumed_from_step > 0
+        )
+        assert shrunk.reform_mode == "restart"
+        assert "startup" in shrunk.resume_phases and "load" in shrunk.resume_phases
+        survivors = [n for n in ("a", "b", "c") if n != rank_zero]
+        assert all(job.workers(n) != pids[n] for n in survivors)
+        committed = latest_committed(job.root / "ckpt")
+        assert committed is not None and committed >= shrunk.resumed_from_step
+        reached = max(_steps(samples, 3))
+        assert shrunk.last_step == reached, f"the trainers say {shrunk.last_step}, their sample logs {reached}"
+        assert lost_steps(shrunk) == reached - shrunk.resumed_from_step > 1
+    finally:
+        job.close()
 
 
 
