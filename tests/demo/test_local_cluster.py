@@ -219,7 +219,9 @@ async def test_an_agent_that_leaves_cleanly_gets_a_fresh_pod(cluster) -> None:
     await local.add_node("leaver")
     [[attempt, agent, _]] = await wait_for_lines(tmp / "leaver.pids", 1)
     assert attempt == 0 and local.agent_pid("leaver") == agent
-    assert "leaver-worker" in sink.deleted_pods, "the finished pod was replaced, not restarted in place"
+    # The finished pod was replaced, not restarted in place (its process may write its pids
+    # before the watch delivers the deletion and the new pod: await them).
+    await sink.until(lambda: "leaver-worker" in sink.deleted_pods and "leaver-worker" in sink.pods)
     assert sink.pods["leaver-worker"].restart_count == 0
 
 
@@ -255,6 +257,8 @@ async def test_a_deleted_pod_on_a_schedulable_node_is_replaced(cluster) -> None:
     local, sink, tmp = cluster
     await local.add_node("node-1")
     await wait_for_lines(tmp / "node-1.pids", 1)
+    # The pod's process may write its pids before the watch delivers the pod: await that too.
+    await sink.until(lambda: "node-1-worker" in sink.pods)
     uid = sink.pods["node-1-worker"].uid
     await local.delete_pod("default", "node-1-worker", "evicted")
     await sink.until(lambda: "node-1-worker" in sink.pods and sink.pods["node-1-worker"].uid != uid)
@@ -268,6 +272,7 @@ async def test_an_eviction_sigterms_the_agent_and_kills_its_tree_at_the_grace_en
     local, sink, tmp = cluster
     await local.add_node("stubborn")
     [[_, agent, worker]] = await wait_for_lines(tmp / "stubborn.pids", 1)
+    await sink.until(lambda: "stubborn-worker" in sink.pods)
     uid = sink.pods["stubborn-worker"].uid
     evicted_at = asyncio.get_running_loop().time()
     await local.evict("stubborn", timedelta(seconds=1))
