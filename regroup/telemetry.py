@@ -42,7 +42,9 @@ def _add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
 
 
 def configure_logging(level: str | None = None, stream: Any = None, *, once: bool = False) -> None:
-    """structlog JSON to ``stream`` (stderr by default), one event per line.
+    """structlog JSON to ``stream`` (stderr by default), one event per line, each line and its
+    newline in one ``write``: an agent and its workers share one log file or pipe, and a line
+    sent in two writes (``print``'s way) could take another process's line between them.
 
     ``once``: this process configures logging once and for all (the controller), so each
     logger is built on first use and cached, instead of on every call (which a process that
@@ -58,7 +60,7 @@ def configure_logging(level: str | None = None, stream: Any = None, *, once: boo
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=once,
     )
 

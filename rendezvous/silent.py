@@ -60,11 +60,9 @@ async def find_silent(
     """Watch the leases of ``nodes``' member keys until ``PROBE_FOR_S`` after ``since`` (unix
     time of the failed collective), calling ``found`` with all the silent ones so far each time
     more are found; returns them. Raises what etcd raises (``etcd.TRANSIENT_ERRORS``)."""
-    leases: dict[str, int] = {}
-    for node in nodes:
-        got = await client.get(keys.member(node).encode())
-        if got is not None and got.lease:
-            leases[node] = int(got.lease)
+    wanted = {keys.member(node): node for node in nodes}
+    listing = await client.get_prefix(keys.members.encode())  # one read for every member's lease
+    leases = {wanted[kv.key.decode()]: int(kv.lease) for kv in listing if kv.key.decode() in wanted and kv.lease}
     silent: list[str] = []
     while leases:
         newly = [node for node, lease in leases.items() if not await etcd.renewed_within(client, lease)]

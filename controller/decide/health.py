@@ -166,10 +166,10 @@ def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now:
             if n != reporter.node and (m := members.get(n)) is not None
             and reporter.failed_peer in (m.host, pod.ip if (pod := pods.get(m.pod)) is not None else "")
         ] if reporter.failed_peer else []  # fmt: skip
-        accused = {named[0]: "a collective of round {round} failed on it"} if len(named) == 1 else {}
+        accused = {named[0]: f"a collective of round {world_round} failed on it"} if len(named) == 1 else {}
         for node in reporter.silent_peers:
             if node in world and node != reporter.node and node in members:
-                accused.setdefault(node, "its lease went unrenewed after a collective of round {round} failed")
+                accused.setdefault(node, f"its lease went unrenewed after a collective of round {world_round} failed")
         for node, why in sorted(accused.items()):
             if node in health.lost or members[node].peer_failure_round == world_round:
                 continue
@@ -178,7 +178,7 @@ def _peer_failures(s: JobSnapshot, world: AbstractSet[str], health: Health, now:
                 later = health.turns_lost_at
                 health.turns_lost_at = settled_at if later is None else min(later, settled_at)
                 continue
-            health.lost[node] = f"{why.format(round=world_round)} (seen by {reporter.node})"
+            health.lost[node] = f"{why} (seen by {reporter.node})"
             health.lost_since[node] = min(reporter.peer_failure_at, now)
 
 
@@ -311,20 +311,25 @@ def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now
     """Healthy members waiting outside the current round, oldest first. A member on
     probation (its own workers just failed, or are still starting up) is not one yet, nor
     is the record of an agent its round's survivors found dead (``named_dead``)."""
-    world_round, members = s.world_round, s.members
+    members = s.members
     waiting = []
     # A member outside the round is a suspect (``regroup.controller.suspects``): look no further.
     for n in s.suspects:
         m = members.get(n)
-        if m is None or m.round == world_round or n in world or n in health.lost or n in health.notices or n in health.storm:
-            continue
-        if named_dead(s, n, m):
+        if m is None or not _outside_healthy(s, world, health, n, m) or named_dead(s, n, m):
             continue
         if m.not_before > now:
             out.again_in(m.not_before - now)
             continue
         waiting.append(n)
     return sorted(waiting, key=lambda n: (joiner_seen(s, n), n))
+
+
+def _outside_healthy(s: JobSnapshot, world: AbstractSet[str], health: Health, node: str, m: MemberRecord) -> bool:
+    """A member outside the current round, neither lost, leaving nor in a restart storm."""
+    return m.round != s.world_round and node not in world and not (
+        node in health.lost or node in health.notices or node in health.storm
+    )
 
 
 def named_dead(s: JobSnapshot, node: str, member: MemberRecord) -> bool:
@@ -346,9 +351,8 @@ def warming_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health) -> 
     members = s.members
     return sorted(
         n for n in s.suspects
-        if (m := members.get(n)) is not None and m.warming_since > 0 and m.round != s.world_round
-        and n not in world and n not in health.lost and n not in health.notices and n not in health.storm
-    )  # fmt: skip
+        if (m := members.get(n)) is not None and m.warming_since > 0 and _outside_healthy(s, world, health, n, m)
+    )
 
 
 def joiner_seen(s: JobSnapshot, node: str) -> float:

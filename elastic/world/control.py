@@ -74,9 +74,7 @@ class JobChannel:
         self.latest_reform: ReformRequest | None = None
         """The newest ``control/reform`` (watched): its generation retires older requests."""
         self.previous_progress: Progress | None = None
-        """The ``progress`` record as last read (``progress_before``; first on start)."""
-        self._read_on_start = False
-        """``previous_progress`` was read on start, for the world this channel opened in."""
+        """The ``progress`` record as last read (``progress_before``)."""
         self._progress_sent = 0
         """Progress writes handed to the loop (a sequence number per call)."""
         self._progress_done = 0
@@ -97,8 +95,6 @@ class JobChannel:
             found = decode(kv.key.decode(), None, self.keys.prefix)
             if found is not None and found.kind is KeyKind.ACK and found.params["generation"].isdigit():
                 self.answered = max(self.answered, int(found.params["generation"]))
-        await self._read_progress()
-        self._read_on_start = True
         reforms = Reflector(self._client, self.keys.reform, self._on_reform, prefix=False, name="reform-request")
         await reforms.list()
         requests = Reflector(self._client, self.keys.checkpoint, self._on_request, prefix=False, name="checkpoint-request")
@@ -116,14 +112,9 @@ class JobChannel:
                 log.warning("ignoring malformed progress record", error=str(exc))
 
     def progress_before(self) -> Progress | None:
-        """The ``progress`` record the world before this one left: a new world reads it
-        before it publishes any of its own. Read on start for the world the channel opened
-        in; for a later world (an in-place re-form that kept rank 0) read again, as what it
-        read then is older than what the last world reached (the one read last when etcd
-        does not answer in time)."""
-        if self._read_on_start:
-            self._read_on_start = False
-            return self.previous_progress
+        """The ``progress`` record the world before this one left, read as a new world starts,
+        before it publishes any of its own (a process that kept rank 0 across worlds reads it
+        again each time; the one read last when etcd does not answer in time)."""
         try:
             self._loop.run(self._read_progress(), self.timeout)
         except TRANSIENT_ERRORS as exc:

@@ -50,6 +50,7 @@ class LeaseKeeper:
         self._wake = asyncio.Event()
         self._fast: tuple[float, float] = (0.0, 0.0)
         """(period, until: loop time) of a ``hurry``."""
+        self._revoked = False
         self.lease: Any = None
 
     @property
@@ -104,17 +105,19 @@ class LeaseKeeper:
 
     async def stop(self, revoke: bool = True) -> bool:
         """Stop renewing; with ``revoke``, end the lease now (its keys go at once). False when
-        etcd could not be told: the lease then expires on its own within its TTL."""
+        etcd could not be told: the lease then expires on its own within its TTL. Once
+        revoked, a second stop does nothing."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])
             self._task = None
-        if revoke and self.lease is not None:
+        if revoke and self.lease is not None and not self._revoked:
             try:
                 await self.lease.revoke()
             except TRANSIENT_ERRORS as exc:
                 log.info("lease not revoked; it expires on its own", lease=self.id, error=str(exc))
                 return False
+            self._revoked = True
         return True
 
 

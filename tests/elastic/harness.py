@@ -97,23 +97,18 @@ class BackgroundTorchrun:
             self.proc.wait()
 
 
-_DECODER = json.JSONDecoder()
-
-
 def events(log_text: str, name: str) -> list[dict[str, Any]]:
-    """The JSON log events called ``name`` (other lines, e.g. torch warnings, skipped). An
-    agent and its workers share one log file, and a line and its newline are two writes: two
-    events may share a line (``{...}{...}``), each is read."""
+    """The JSON log events called ``name`` (other lines, e.g. torch warnings, skipped)."""
     found = []
     for line in log_text.splitlines():
-        at = 0
-        while line.startswith("{", at):
-            try:
-                event, at = _DECODER.raw_decode(line, at)
-            except ValueError:
-                break
-            if isinstance(event, dict) and event.get("event") == name:
-                found.append(event)
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == name:
+            found.append(event)
     return found
 
 

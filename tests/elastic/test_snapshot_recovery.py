@@ -75,15 +75,24 @@ class StraightRun:
         self.run.close()
 
 
-@pytest.fixture(scope="module")
-def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
-    """The run that never lost a node, started with the first test that compares with it."""
+@contextlib.contextmanager
+def straight_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ranks: int, common: dict[str, Any]
+) -> Iterator[StraightRun]:
+    """A module's straight run, in a folder that goes with it (``tests.scratch``)."""
     with scratch(request, tmp_path_factory, "straight") as root:
-        run = StraightRun(root, len(NODES), COMMON)
+        run = StraightRun(root, ranks, common)
         try:
             yield run
         finally:
             run.close()
+
+
+@pytest.fixture(scope="module")
+def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
+    """The run that never lost a node, started with the first test that compares with it."""
+    with straight_run(request, tmp_path_factory, len(NODES), COMMON) as run:
+        yield run
 
 
 def _steps_done(folder: Path, world: int) -> list[int]:

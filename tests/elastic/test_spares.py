@@ -25,8 +25,7 @@ from regroup.demo.etcd_server import EtcdServer
 from regroup.exit_codes import LEFT_JOB
 from regroup.records import Progress
 from tests.rendezvous.inplace_job import InPlaceJob
-from tests.elastic.test_snapshot_recovery import StraightRun, finish_and_compare
-from tests.scratch import scratch
+from tests.elastic.test_snapshot_recovery import StraightRun, finish_and_compare, straight_run
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +45,8 @@ COMMON: dict[str, Any] = {
 def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StraightRun]:
     """The run at two ranks that never lost a node, started with the first test that
     compares with it: it trains while that test's job starts and waits on its re-forms."""
-    with scratch(request, tmp_path_factory, "straight") as root:
-        run = StraightRun(root, len(ACTIVE), COMMON)
-        try:
-            yield run
-        finally:
-            run.close()
+    with straight_run(request, tmp_path_factory, len(ACTIVE), COMMON) as run:
+        yield run
 
 
 @pytest.fixture

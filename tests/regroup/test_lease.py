@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.request
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
+
+import pytest
 
 from regroup.demo.etcd_server import EtcdServer
 from regroup.etcd import EtcdSettings, LeaseKeeper, connect
@@ -39,33 +42,39 @@ async def refreshes(etcd: EtcdServer, at_least: int) -> tuple[int, int]:
     return counts
 
 
-async def test_refreshes_share_one_long_lived_stream_and_keep_the_lease(etcd: EtcdServer, etcd_client: Any) -> None:
+@pytest.fixture
+async def kept(etcd_client: Any) -> AsyncIterator[tuple[LeaseKeeper, list[bool]]]:
+    """A kept lease with the key ``/k`` on it, and the calls of its ``on_lost``."""
     lost: list[bool] = []
     keeper = LeaseKeeper(etcd_client, TTL, on_lost=lambda: lost.append(True))
     await keeper.start()
     try:
         await etcd_client.put(b"/k", b"v", lease=keeper.lease)
-        streams, messages = await refreshes(etcd, at_least=6)  # 4 s: twice the TTL
-        assert streams == 1, f"{messages} refreshes opened {streams} streams"
-        assert await etcd_client.get(b"/k") is not None and not lost
+        yield keeper, lost
     finally:
         await keeper.stop()
+
+
+async def test_refreshes_share_one_long_lived_stream_and_keep_the_lease(
+    etcd: EtcdServer, etcd_client: Any, kept: tuple[LeaseKeeper, list[bool]]
+) -> None:
+    keeper, lost = kept
+    streams, messages = await refreshes(etcd, at_least=6)  # 4 s: twice the TTL
+    assert streams == 1, f"{messages} refreshes opened {streams} streams"
+    assert await etcd_client.get(b"/k") is not None and not lost
+    await keeper.stop()
     assert await etcd_client.get(b"/k") is None, "stop revokes the lease: its keys go at once"
 
 
-async def test_a_restarted_etcd_gets_a_new_stream_and_the_lease_lives_on(etcd: EtcdServer, etcd_client: Any) -> None:
-    lost: list[bool] = []
-    keeper = LeaseKeeper(etcd_client, TTL, on_lost=lambda: lost.append(True))
-    await keeper.start()
-    try:
-        await etcd_client.put(b"/k", b"v", lease=keeper.lease)
-        await refreshes(etcd, at_least=2)
-        await asyncio.to_thread(etcd.restart)  # a leader's start renews every lease by its TTL
-        streams, _ = await refreshes(etcd, at_least=4)  # the counters start over with the process
-        assert streams == 1 and not lost
-        assert await etcd_client.get(b"/k") is not None
-    finally:
-        await keeper.stop()
+async def test_a_restarted_etcd_gets_a_new_stream_and_the_lease_lives_on(
+    etcd: EtcdServer, etcd_client: Any, kept: tuple[LeaseKeeper, list[bool]]
+) -> None:
+    _, lost = kept
+    await refreshes(etcd, at_least=2)
+    await asyncio.to_thread(etcd.restart)  # a leader's start renews every lease by its TTL
+    streams, _ = await refreshes(etcd, at_least=4)  # the counters start over with the process
+    assert streams == 1 and not lost
+    assert await etcd_client.get(b"/k") is not None
 
 
 async def test_a_lease_revoked_elsewhere_is_reported_lost_once(etcd: EtcdServer, etcd_client: Any) -> None:
