@@ -43,9 +43,11 @@ AUTH_STORE_CHANGED = "etcdserver: revision of auth store is old"
 """etcd's answer to a request whose permission check overlapped a change of its users or
 roles (the controller making or removing a job's identity): nothing was done, and the same
 request a moment later goes through."""
-AUTH_RACE_RETRIES = 6
-"""Times a key-value call refused with ``AUTH_STORE_CHANGED`` is sent again (10 ms, doubling:
-about 0.6 s in all) before the error reaches the caller."""
+AUTH_RACE_BACKOFF_S = (0.01, 0.1)
+"""A key-value call refused with ``AUTH_STORE_CHANGED`` is sent again after 10 ms, doubling up
+to 100 ms, for as long as one request may take (the client's timeout): under a run of user
+and role changes (many jobs starting at once) a call only goes through between two of them,
+so a number of tries would give up while the changes last, not when the call is late."""
 
 
 class PermissionDenied(ClientError):
@@ -120,13 +122,20 @@ class _Client(aetcd.Client):
         """Await ``call()``; a denial is raised naming ``operation`` and the keys ``what()``
         describes (worked out only then: most calls succeed). A call that overlapped a change
         of etcd's users or roles is sent again (``AUTH_STORE_CHANGED``)."""
-        for attempt in range(AUTH_RACE_RETRIES + 1):
+        delay, longest = AUTH_RACE_BACKOFF_S
+        deadline = 0.0  # set at the first refusal: most calls go through at once
+        while True:
             try:
                 return await call()
             except aetcd.exceptions.InvalidArgumentError as exc:
-                if AUTH_STORE_CHANGED not in str(exc) or attempt == AUTH_RACE_RETRIES:
+                if AUTH_STORE_CHANGED not in str(exc):
                     raise
-                await asyncio.sleep(0.01 * 2**attempt)
+                now = asyncio.get_running_loop().time()
+                deadline = deadline or now + self._timeout
+                if now + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, longest)
             except ClientError as exc:
                 if not is_permission_denied(exc):
                     raise
@@ -134,7 +143,6 @@ class _Client(aetcd.Client):
                 named = denied.about(operation, what(), self.identity)
                 self.report(named)
                 raise named from exc
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     def report(self, denied: PermissionDenied) -> None:
         """Log ``denied`` the first time its operation and key are denied to this client."""
