@@ -11,11 +11,20 @@ TORCH := torch==2.13.0
 # to let go of the dpkg lock, instead of failing at once.
 APT_GET := apt-get -o DPkg::Lock::Timeout=600
 
+# apt-get update takes the package lists' lock, which DPkg::Lock::Timeout does not cover:
+# it waits for that one here, the same 10 minutes, looking every 5 s.
+APT_UPDATE := for try in $$(seq 120); do \
+	  out=$$($(APT_GET) update 2>&1) && break; \
+	  case "$$out" in *"Could not get lock"*) [ $$try -lt 120 ] || { echo "$$out" >&2; exit 1; }; \
+	    echo "apt-get update: another apt holds its lock; waiting" >&2; sleep 5;; \
+	  *) echo "$$out" >&2; exit 1;; esac; \
+	done
+
 # $(call apt_missing,command=package ...): install the Debian packages whose command is
 # not on PATH, after one apt-get update. No recommends: prometheus's would add a node exporter.
 apt_missing = @packages=""; \
 	for need in $(1); do command -v "$${need%%=*}" >/dev/null 2>&1 || packages="$$packages $${need\#*=}"; done; \
-	[ -z "$$packages" ] || { $(APT_GET) update && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y --no-install-recommends $$packages; }
+	[ -z "$$packages" ] || { $(APT_UPDATE); DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y --no-install-recommends $$packages; }
 
 etcd:
 	$(call apt_missing,etcd=etcd-server)
@@ -43,7 +52,7 @@ test-busy: tools venv
 	$(PY) tests/busy.py $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: etcd venv
-	@command -v valgrind >/dev/null 2>&1 || { $(APT_GET) update && $(APT_GET) install -y valgrind; }  # controller --instructions
+	@command -v valgrind >/dev/null 2>&1 || { $(APT_UPDATE); $(APT_GET) install -y valgrind; }  # controller --instructions
 	$(PIP) install --disable-pip-version-check -q -e '.[train,report,test,bench]'
 	$(PY) -m bench $(ARGS)
 

@@ -6,8 +6,8 @@ and its member key stands until its lease runs out (``lease_ttl``). Its peers no
 their collectives fail, and each survivor's agent reports it in its member record. Every
 live agent of the round sees that report and renews its lease at once and then every
 0.4 s for a few seconds (``HURRY_EVERY``); meanwhile the reporting survivors read the leases
-of the round's other members, and a member whose lease then goes a second without renewal
-is dead (``regroup.etcd.renewed_within``). The survivor
+of the round's other members (from ``JUDGE_AFTER_S`` on, once the live ones have had the
+time to renew), and a member whose lease then goes a second without renewal is dead (``regroup.etcd.renewed_within``). The survivor
 names it in its member record (``MemberRecord.silent_peers``), and the controller takes a
 node so named as lost (``regroup.controller.decide.health``): about a second after the death
 instead of a lease TTL after it.
@@ -28,6 +28,10 @@ from regroup import etcd
 from regroup.keys import JobKeys
 from regroup.records import MemberRecord
 
+JUDGE_AFTER_S = 0.6
+"""No lease is judged before this long after the failure: the report reaches each live agent
+of the round through its watch, and it renews at once (``HURRY_EVERY``). Judged earlier, a
+live agent between two of its usual renewals (``lease_ttl``/3 apart) would read as silent."""
 PROBE_FOR_S = 1.5
 """How long after the failure the leases are watched: a member dead since then has gone a
 second without renewing by then, with room for a slow read."""
@@ -64,6 +68,8 @@ async def find_silent(
     listing = await client.get_prefix(keys.members.encode())  # one read for every member's lease
     leases = {wanted[kv.key.decode()]: int(kv.lease) for kv in listing if kv.key.decode() in wanted and kv.lease}
     silent: list[str] = []
+    if leases and (wait := since + JUDGE_AFTER_S - clock()) > 0:
+        await asyncio.sleep(wait)
     while leases:
         newly = [node for node, lease in leases.items() if not await etcd.renewed_within(client, lease)]
         if newly:

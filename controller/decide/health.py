@@ -335,11 +335,14 @@ def _outside_healthy(s: JobSnapshot, world: AbstractSet[str], health: Health, no
 def named_dead(s: JobSnapshot, node: str, member: MemberRecord) -> bool:
     """Whether the member record is that of an agent the survivors of its round named dead
     (``silent_peers``), standing until its lease runs out: not a joiner. A new agent of the
-    node registers afresh (round 0) and is one."""
+    node registers afresh (round 0) and is one; so is an agent that wrote its record after
+    the failure it was named in (a probation, a warm-up or a new registration after it): it
+    was not dead, whatever its lease read in the probe."""
     if member.round <= 0:
         return False
+    written = max(member.not_before, member.warming_since, member.joined_at)
     return any(
-        m.peer_failure_round == member.round and node in m.silent_peers
+        m.peer_failure_round == member.round and node in m.silent_peers and written < m.peer_failure_at
         for n, m in s.members.items() if n != node
     )  # fmt: skip
 

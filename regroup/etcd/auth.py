@@ -226,17 +226,42 @@ async def remove_job_identity(client: Any, keys: JobKeys) -> bool:
     ours = job_grants(keys)[0]
     if role is not None and not any(bytes(p.key) == ours.key.encode() for p in role.perm):
         return False
-    revoked = await _call(client, "UserRevokeRole", aetcd.rpc.AuthUserRevokeRoleRequest(name=name, role=name),
+    return await remove_identity(client, name)
+
+
+async def remove_identity(client: Any, name: str, role: str = "") -> bool:
+    """Revoke ``role`` (default: the one named as the user) from user ``name``, delete the
+    role, delete the user; what is missing already is fine. True when anything was there.
+    Needs a ``root``-role identity."""
+    role = role or name
+    gone = ("not found", "not granted")
+    revoked = await _call(client, "UserRevokeRole", aetcd.rpc.AuthUserRevokeRoleRequest(name=name, role=role),
                           tolerate=gone)
-    role = await _call(client, "RoleDelete", aetcd.rpc.AuthRoleDeleteRequest(role=name), tolerate=gone)
+    deleted = await _call(client, "RoleDelete", aetcd.rpc.AuthRoleDeleteRequest(role=role), tolerate=gone)
     user = await _call(client, "UserDelete", aetcd.rpc.AuthUserDeleteRequest(name=name), tolerate=gone)
-    return any(r is not None for r in (revoked, role, user))
+    return any(r is not None for r in (revoked, deleted, user))
 
 
 async def job_identities(client: Any, prefix: str = DEFAULT_PREFIX) -> set[JobKeys]:
     """The jobs that have a user in etcd (by ``job_of_user``)."""
     listing = await _call(client, "UserList", aetcd.rpc.AuthUserListRequest())
     return {keys for name in listing.users if (keys := job_of_user(name, prefix)) is not None}
+
+
+async def other_users(client: Any, controller_user: str) -> dict[str, list[str]]:
+    """The users that are none of regroup's identities (``root``, the controller's, a job's),
+    with their roles. One left from before per-job identities (a user every job's workers
+    shared, ``readwrite`` on the whole prefix) keeps each job it still serves open to every
+    other job until it is removed: ``bootstrap``'s command names them and takes none away."""
+    listing = await _call(client, "UserList", aetcd.rpc.AuthUserListRequest())
+    found = {}
+    for name in listing.users:
+        if name in (ROOT, controller_user) or name.startswith(JOB_USER_PREFIX):
+            continue
+        user = await _call(client, "UserGet", aetcd.rpc.AuthUserGetRequest(name=name), tolerate=("not found",))
+        if user is not None:
+            found[name] = sorted(user.roles)
+    return found
 
 
 async def bootstrap(client: Any, controller_user: str) -> list[str]:

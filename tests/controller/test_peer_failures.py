@@ -130,3 +130,22 @@ def test_the_record_of_an_agent_named_dead_is_no_joiner_a_new_agent_of_its_node_
     s = s.with_member(dataclasses.replace(s.members["n2"], round=0, joined_at=T0 + 61), at=T0 + 61)
     plan = plan_of(decide(s, T0 + 120, S))
     assert plan is not None and plan.cause == "grow" and sorted(plan.nodes_after) == ["n1", "n2", "n3"]
+
+
+def test_an_agent_named_dead_that_then_writes_its_record_is_alive_and_a_joiner_after_its_probation() -> None:
+    # A survivor's probe read n2's lease between two renewals and named it; n2's agent was
+    # alive (its own rank had crashed): it writes its record again, on probation, in the same
+    # round. Once the probation is over it is a joiner, not a dead agent's record.
+    shared = {"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}
+    s = reported(running(shared), "n1", "127.0.0.1", silent=("n2",))
+    s = s.round_formed(2, ["n1", "n3"], at=T0 + 3)
+    for n in ("n1", "n3"):
+        s = s.with_member(dataclasses.replace(s.members[n], round=2), at=T0 + 3)
+    probation_ends = FAILED_AT + 6
+    s = s.with_member(dataclasses.replace(s.members["n2"], restart_count=1, not_before=probation_ends), at=FAILED_AT + 1)
+    waiting = decide(s, probation_ends - 1, S)
+    assert plan_of(waiting) is None and waiting.requeue_after is not None
+    assert waiting.requeue_after.total_seconds() <= 1 + 1e-6, "woken when its probation ends"
+    assert "gathering 1 joining" in decide(s, probation_ends + 0.1, S).reason
+    plan = plan_of(decide(s, probation_ends + 60, S))  # its join window closed
+    assert plan is not None and plan.cause == "grow" and sorted(plan.nodes_after) == ["n1", "n2", "n3"]

@@ -355,3 +355,112 @@ def test_tls_clients_connecting_at_once_in_many_threads_leave_plain_clients_plai
         for done in work:
             done.result(timeout=60)
     asyncio.run(connect_and_read(etcd_settings))
+
+
+SHARED, SHARED_ROLE = "regroup-worker", "regroup"
+"""The one identity every job's workers presented before each job had its own, and its
+role: read and write on all of ``/regroup/`` (docs/deploy.md, "Upgrading")."""
+
+
+def remove_user_cli(auth: AuthEtcd, *args: str) -> tuple[int, str]:
+    """``regroup etcd-auth remove-user ARGS`` as the controller's identity: (exit code, stdout)."""
+    import contextlib
+    import io
+
+    from regroup import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["etcd-auth", "remove-user", *args, *auth.tls_args(AuthEtcd.CONTROLLER)])
+    return code, out.getvalue()
+
+
+def test_a_job_on_the_shared_worker_identity_trains_on_through_the_upgrade_to_its_own(auth: AuthEtcd) -> None:
+    # The upgrade as docs/deploy.md tells it: the bootstrap Job runs again and names the
+    # shared user; the controller, now with --etcd-job-identities, makes the job's own; the
+    # job re-forms on the shared identity, then with its pods rolled one at a time onto the
+    # job's certificate, and after the shared user is gone.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from regroup.records import ReformRequest
+    from tests.rendezvous.agents import wait_until
+
+    keys = JobKeys(NS, "upgraded")
+
+    async def before(client: Any) -> None:
+        await ensure_role(client, SHARED_ROLE, [Grant(Access.READWRITE, "/regroup/", prefix=True)])
+        await ensure_user(client, SHARED, (SHARED_ROLE,), exact=True)
+
+    as_controller(auth, before)
+    pool = ThreadPoolExecutor(max_workers=2)
+    handlers = {node: agent(auth, keys, node, SHARED) for node in ("n0", "n1")}
+    generation = 1
+
+    def reform(rolled: str | None) -> set[int]:
+        """Ask for a re-form (the controller would, seeing a pod replaced); ``rolled``'s agent
+        comes back first, presenting the job's own certificate. The world sizes formed."""
+        nonlocal generation
+        generation += 1
+        if rolled is not None:
+            handlers[rolled].shutdown()
+            handlers[rolled] = agent(auth, keys, rolled, job_user(keys))
+        request = ReformRequest(generation=generation, cause="manual")
+        as_controller(auth, lambda c: c.put(keys.reform.encode(), request.to_json()))
+        stayed = [h for node, h in handlers.items() if node != rolled]
+        wait_until(lambda: all(h.num_nodes_waiting() for h in stayed), 20, "the re-form, watched")
+        return {f.result(30).world_size for f in [pool.submit(h.next_rendezvous) for h in handlers.values()]}
+
+    try:
+        assert {f.result(30).world_size for f in [pool.submit(h.next_rendezvous) for h in handlers.values()]} == {2}
+        code, said = bootstrap_cli(auth)
+        assert code == 0 and f"warning: user {SHARED} (roles: {SHARED_ROLE}) is none of regroup's identities" in said, said
+        as_controller(auth, lambda c: ensure_job_identity(c, keys))
+        assert reform(None) == {2}  # still on the shared identity
+        assert reform("n1") == {2}  # one pod rolled: both identities in one world
+        assert reform("n0") == {2}  # both rolled
+        assert remove_user_cli(auth, SHARED, "--role", SHARED_ROLE) == (0, f"user {SHARED} and role {SHARED_ROLE} removed\n")
+        assert reform(None) == {2}  # nothing of the job needs the shared user any more
+        assert all(h.round == generation for h in handlers.values()), [h.round for h in handlers.values()]
+        code, said = bootstrap_cli(auth)
+        assert code == 0 and "warning" not in said, said
+        assert remove_user_cli(auth, SHARED, "--role", SHARED_ROLE)[1].startswith("no user regroup-worker")
+        for ours in (AuthEtcd.CONTROLLER, "root", job_user(keys)):
+            assert remove_user_cli(auth, ours)[0] == 2
+    finally:
+        for handler in handlers.values():
+            handler.shutdown()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+WATCH_RANGE_FIXED = {(3, 5): (3, 5, 33), (3, 6): (3, 6, 14), (3, 7): (3, 7, 1)}
+"""The first release of each line whose watch checks the whole range it asks for
+(GHSA-xg4h-6gfc-h4m8); 3.4 has none. docs/deploy.md, "Residual risks", names these."""
+
+
+async def test_a_watch_past_a_jobs_own_keys_is_refused_only_by_the_etcd_releases_the_guide_names(
+    auth: AuthEtcd,
+) -> None:
+    # The grants are exact (tests above); what a ranged watch may see is etcd's to check. On a
+    # release the guide says not to run, a worker's watch from its own tombstone to the end of
+    # the keyspace delivers every job's keys (``/regroup/jobs/`` sorts after ``finished/``);
+    # on one it names, etcd refuses the watch.
+    own, later = JobKeys(NS, "z-watcher"), JobKeys(NS, "a-watched")
+    async with auth.client(auth.CONTROLLER) as controller:
+        for keys in (own, later):
+            await ensure_job_identity(controller, keys)
+        version = tuple(int(part) for part in (await controller.status()).version.split(".")[:3])
+        revision = (await controller.put(own.progress.encode(), b"{}")).header.revision
+    fixed = version >= WATCH_RANGE_FIXED.get(version[:2], (9,))
+    async with auth.client(job_user(own)) as worker:
+        watch = await worker.watch(own.tombstone.encode(), range_end=b"\0", start_revision=revision + 1)
+        try:
+            assert (watch.watch_id == -1) is fixed, (version, watch.watch_id)
+            if fixed:
+                return
+            async with auth.client(auth.CONTROLLER) as controller:
+                await controller.put(later.member("n0").encode(), b"later's member")
+            async with asyncio.timeout(10):
+                event = await anext(aiter(watch))
+            assert event.kv.key == later.member("n0").encode(), version
+        finally:
+            await watch.cancel()

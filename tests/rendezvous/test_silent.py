@@ -5,14 +5,15 @@ failure of their own, and members already gone are not."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import timedelta
 from typing import Any
 
-from regroup.etcd import LeaseKeeper
+from regroup.etcd import LeaseKeeper, renewed_within
 from regroup.keys import JobKeys
 from regroup.records import MemberRecord
-from regroup.rendezvous.silent import HURRY_EVERY, HURRY_FOR, PROBE_FOR_S, find_silent, to_probe
+from regroup.rendezvous.silent import HURRY_EVERY, HURRY_FOR, JUDGE_AFTER_S, PROBE_FOR_S, find_silent, to_probe
 
 KEYS = JobKeys("ml", "llm")
 TTL = timedelta(seconds=5)
@@ -62,5 +63,23 @@ async def test_a_probe_of_live_members_only_finds_nobody(etcd_client: Any) -> No
         await etcd_client.put(KEYS.member("b").encode(), member("b").to_json(), lease=keeper.lease)
         found: list[list[str]] = []
         assert await find_silent(etcd_client, KEYS, ["b"], time.time(), found.append) == [] and found == []
+    finally:
+        await keeper.stop()
+
+
+async def test_a_live_member_between_two_renewals_is_not_named_if_it_hurries_once_told(etcd_client: Any) -> None:
+    # Its usual renewals are lease_ttl/3 apart: at the failure it last renewed over a second
+    # ago and reads as silent. Its agent sees the report through its watch and renews at once,
+    # a moment later: the probe judges only after that.
+    keeper = LeaseKeeper(etcd_client, TTL)
+    await keeper.start()
+    try:
+        await etcd_client.put(KEYS.member("b").encode(), member("b").to_json(), lease=keeper.lease)
+        while await renewed_within(etcd_client, keeper.id):
+            await asyncio.sleep(0.1)  # until its last renewal is over a second old
+        failed_at = time.time()
+        asyncio.get_running_loop().call_later(JUDGE_AFTER_S / 3, keeper.hurry, HURRY_EVERY, HURRY_FOR)
+        found: list[list[str]] = []
+        assert await find_silent(etcd_client, KEYS, ["b"], failed_at, found.append) == [] and found == []
     finally:
         await keeper.stop()
