@@ -13,10 +13,10 @@ APT_GET := apt-get -o DPkg::Lock::Timeout=600
 
 # apt-get update takes the package lists' lock, which DPkg::Lock::Timeout does not cover:
 # it waits for that one here, the same 10 minutes, looking every 5 s.
-APT_UPDATE := for try in $$(seq 120); do \
+APT_UPDATE := try=0; while :; do try=$$((try + 1)); \
 	  out=$$($(APT_GET) update 2>&1) && break; \
 	  case "$$out" in *"Could not get lock"*) [ $$try -lt 120 ] || { echo "$$out" >&2; exit 1; }; \
-	    echo "apt-get update: another apt holds its lock; waiting" >&2; sleep 5;; \
+	    echo "the package lists are locked by another apt; waiting" >&2; sleep 5;; \
 	  *) echo "$$out" >&2; exit 1;; esac; \
 	done
 
