@@ -11,7 +11,8 @@ Kubernetes cluster gives the controller:
 - a node return is a new node with a new agent;
 - an agent that exits non-zero is restarted in place (the pod's restart count goes up,
   its last exit code is kept, ``restartPolicy: Always``), as a kubelet would; one that
-  exits 0 (the job finished) has its pod replaced by a fresh one;
+  exits 0 (the job finished) has its pod replaced by a fresh one, and a ``Completed``
+  event says so;
 - a deletion (``delete_pod``, ``evict``, ``drain``) is graceful, as the API server and the
   kubelet carry it out: the pod is marked with its deletion's deadline and grace, its agent
   gets SIGTERM, its tree SIGKILL at the deadline; then the pod is gone, and a fresh pod
@@ -457,6 +458,8 @@ class LocalCluster:
                 # as long as the node takes new pods.
                 pod.info = replace(pod.info, phase="Succeeded")
                 self._publish("pod", pod.info)
+                message = "the agent exited 0: the job is over"
+                self._record(ClusterEvent(time.time(), "Pod", pod.info.name, "Normal", "Completed", message, "cluster"))
                 await asyncio.sleep(self._restart_backoff.total_seconds())
                 node = self._nodes.get(pod.info.node or "")
                 if self._pods.get(pod.info.name) is pod and node is not None and node.schedulable:

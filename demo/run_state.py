@@ -3,6 +3,7 @@ flaky nodes, the events so far (appended to the run's events file) and the live 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,6 +50,11 @@ class RunState:
     """Flaky node -> when the run first saw it cordoned or gone."""
     recent: list[str] = field(default_factory=list)
     gone: set[str] = field(default_factory=set)
+    played: int = 0
+    """How many of the scenario's events have been played so far."""
+    job_over: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once an agent exits 0 (the cluster's ``Completed`` event): the job finished,
+    whatever the scenario still had to play."""
 
     def record(
         self, source: str, reason: str, message: str, nodes: tuple[str, ...] = (), type_: str = "Normal",
@@ -68,6 +74,8 @@ class RunState:
 
     def on_cluster_event(self, event: ClusterEvent) -> None:
         self.record(event.source, event.reason, event.message, (event.name.removesuffix("-worker"),), event.type)
+        if event.reason == "Completed" and event.source == "cluster":
+            self.job_over.set()
 
     def snapshot(self) -> LiveSnapshot:
         now = time.time()
