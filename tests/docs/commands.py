@@ -442,11 +442,14 @@ class CommandChecker:
             self.walk(parser, args, report, lazy=lambda prefix: self.module_parser(runnable, prefix))
 
     def check_bench(self, args: list[str], report: Report) -> None:
-        """``python -m bench NAME [ARGS]``: NAME is a module of bench/ (not _private), run as main(ARGS)."""
+        """``python -m bench NAME [ARGS]``: NAME is a module of bench/ (not _private), run as main(ARGS);
+        ``python -m bench --help`` lists them."""
         if not args:
             report("python -m bench: a benchmark name is required", "bench")
             return
         name = args[0]
+        if name in ("-h", "--help"):
+            return  # bench/__main__.py lists the benchmarks
         import bench
 
         names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
@@ -485,17 +488,35 @@ class CommandChecker:
         if file.suffix != ".py" or not file.is_file():
             return
         options: set[str] = set()
+        flags: set[str] = set()  # options that take no value
+        remainder = False  # a positional that takes the rest: e.g. tests/busy.py's command
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
-                options.update(
+                names = {
                     a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("-")
-                )
+                }
+                options.update(names)
+                keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                if keywords.get("action", "").strip("'\"") in _FLAG_ACTIONS or keywords.get("nargs") == "0":
+                    flags.update(names)
+                if not names and keywords.get("nargs") in ("argparse.REMAINDER", "REMAINDER", "'...'"):
+                    remainder = True
         if not options:
             return
         options.update({"-h", "--help"})
-        for arg in args:
+        flags.update({"-h", "--help"})
+        index = 0
+        while index < len(args):
+            arg = args[index]
             if arg in ("--", "..."):
                 return
+            if remainder and not arg.startswith("-"):
+                if self.is_checked_program(arg):
+                    self.check(args[index:], report)
+                return
+            if remainder and arg in options and arg not in flags and "=" not in arg:
+                index += 1  # its value
+            index += 1
             if arg.startswith("-") and not _is_number(arg):
                 name = arg.split("=", 1)[0]
                 if name not in options:
@@ -702,6 +723,9 @@ class CommandChecker:
                 if is_placeholder(value) and "unknown" not in str(exc):
                     continue
                 report(f"--rdzv-conf {key}: {exc}", f"{key}=")
+
+
+_FLAG_ACTIONS = {"store_true", "store_false", "store_const", "append_const", "count", "help", "version"}
 
 
 def _is_number(word: str) -> bool:

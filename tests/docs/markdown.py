@@ -1,4 +1,4 @@
-"""Markdown as the doc checks see it: fenced code blocks, links and heading anchors.
+"""Markdown as the doc checks see it: fenced code blocks, inline code spans, links and heading anchors.
 
 Nothing here knows today's docs: the blocks, links and headings are found at test time.
 """
@@ -99,6 +99,38 @@ _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 
 def _without_code_spans(line: str) -> str:
     return _CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line)
+
+
+# A run of backticks opens a span that the next run of the same length closes; the span may
+# run on over line breaks within its paragraph, but not over a blank line.
+_MULTILINE_SPAN = re.compile(r"(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n).)+?)(?<!`)\1(?!`)", re.S)
+
+
+@dataclass(frozen=True)
+class Span:
+    """An inline code span: ``line`` is the line it opens on (1-based); ``text`` as CommonMark
+    reads it (line breaks as spaces, one leading and trailing space stripped)."""
+
+    path: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:`{self.text}`"
+
+
+def code_spans(text: str, path: str) -> list[Span]:
+    """Every inline code span outside fenced code blocks."""
+    lines = text.split("\n")
+    inside = {n for b in fenced_blocks(text, "") for n in range(b.line, b.line + len(b.body) + 2)}
+    prose = "\n".join("" if n in inside else line for n, line in enumerate(lines, 1))
+    spans: list[Span] = []
+    for match in _MULTILINE_SPAN.finditer(prose):
+        body = re.sub(r"[ \t]*\n[ \t]*", " ", match.group(2))
+        if body.startswith(" ") and body.endswith(" ") and body.strip():
+            body = body[1:-1]
+        spans.append(Span(path, prose.count("\n", 0, match.start()) + 1, body))
+    return spans
 
 
 def github_slug(heading: str) -> str:

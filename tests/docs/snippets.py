@@ -8,6 +8,10 @@
 - ``yaml``: parses; a trainer config is validated by the trainer's loader, a demo scenario by
   the demo's parser, ``regroup.dev/`` annotations by the controller's parser, and a container
   ``command:`` as a command line. ``json``/``toml``: parse.
+- Inline code spans of the prose that are command lines (``regroup ...``, ``regroup-run
+  ...``, ``torchrun ...``, ``make ...``, ``python ...``, ``kubectl ...``, ``pip ...``: a
+  program named with at least one argument): checked as a line of a ``bash`` block is
+  (``inline_command``).
 - Links: relative links resolve to a file of the repository; ``#anchors`` into a markdown
   file match one of its headings (GitHub's slugs).
 
@@ -32,7 +36,7 @@ from urllib.parse import unquote
 import yaml
 
 from tests.docs.commands import Command, CommandChecker, is_placeholder, split_commands, strip_prefixes, unwrap_synopsis
-from tests.docs.markdown import REPO, Block, Problem, anchors, fenced_blocks, links
+from tests.docs.markdown import REPO, Block, Problem, Span, anchors, code_spans, fenced_blocks, links
 from tests.docs.pycode import PythonChecker, config_loading_module
 
 PYTHON = {"python", "py", "python3"}
@@ -80,8 +84,19 @@ class DocChecker:
         problems: list[Problem] = []
         for block in fenced_blocks(text, path):
             problems += self.check_block(block)
+        for span in code_spans(text, path):
+            problems += self.check_span(span)
         problems += self.check_links(text, path)
         return problems
+
+    # Inline code spans.
+
+    def check_span(self, span: Span) -> list[Problem]:
+        """An inline span that is one of the project's command lines, checked as a one-line
+        ``bash`` block at the span's line; any other span is not code a reader runs."""
+        if not inline_command(span.text):
+            return []
+        return self.check_block(Block(span.path, span.line - 1, "bash", (span.text,)))
 
     # Blocks.
 
@@ -323,6 +338,17 @@ def _is_trainer_config(document: dict[Any, Any], config: type) -> bool:
 def _is_label_map(parent: str | None) -> bool:
     """labels, matchLabels, commonLabels, nodeSelector, labelSelector, ... (not annotations)."""
     return bool(parent) and bool(re.search(r"(?i)labels$|selector$|^selector|matchExpressions", parent or ""))
+
+
+def inline_command(text: str) -> bool:
+    """Whether an inline code span reads as a command line: a program the command checker
+    knows (this project's, torchrun, ``python``, ``make``, ``kubectl``, ``pip``) with at least
+    one argument. A bare name (`regroup-run`) names the program, and output
+    (`regroup status: etcd denied ...`) is not a command."""
+    words = strip_prefixes(text.split())
+    if len(words) < 2 or _reads_as_output(words):
+        return False
+    return doc_checker().commands.is_checked_program(words[0])
 
 
 def _reads_as_output(words: list[str]) -> bool:

@@ -1,7 +1,9 @@
 """The docs' code runs as written: every fenced block of README.md, docs/**/*.md and
 examples/README.md is found at test time and checked by its kind (tests/docs/snippets.py),
-and every relative link resolves. A renamed flag, subcommand, module or API name fails here,
-naming the file and line, rather than failing a reader.
+so is every inline code span of their prose that is a command line (`regroup status --job
+<name>`, `make bench ARGS="chaos"`), and every relative link resolves. A renamed flag,
+subcommand, module or API name fails here, naming the file and line, rather than failing a
+reader.
 
 A block opts out with ``# not-tested: <reason>`` as its first line; few may.
 """
@@ -14,20 +16,28 @@ from dataclasses import replace
 
 import pytest
 
-from tests.docs.markdown import REPO, Block, doc_files, fenced_blocks
+from tests.docs.markdown import REPO, Block, Span, code_spans, doc_files, fenced_blocks
 from tests.docs.pycode import api_module
-from tests.docs.snippets import doc_checker, kind_of
+from tests.docs.snippets import doc_checker, inline_command, kind_of
 
 MAX_OPT_OUTS = 3
 
 DOCS = {str(path.relative_to(REPO)): path.read_text() for path in doc_files()}
 BLOCKS = [block for path, text in DOCS.items() for block in fenced_blocks(text, path)]
 CHECKED = [block for block in BLOCKS if kind_of(block) != "other"]
+INLINE = {path: [span for span in code_spans(text, path) if inline_command(span.text)] for path, text in DOCS.items()}
 
 
 @pytest.mark.parametrize("block", CHECKED, ids=str)
 def test_code_block(block: Block) -> None:
     problems = doc_checker().check_block(block)
+    assert not problems, "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize("path", sorted(DOCS))
+def test_inline_commands(path: str) -> None:
+    """Commands written inline in the prose, checked as a line of a bash block is."""
+    problems = [problem for span in INLINE[path] for problem in doc_checker().check_span(span)]
     assert not problems, "\n".join(map(str, problems))
 
 
@@ -58,6 +68,8 @@ def test_the_docs_hold_code_that_is_checked() -> None:
         if command.words and re.search(r"(^|/)(regroup[\w-]*|torchrun|make|python3?)$", command.words[0])
     ]
     assert len(project_commands) >= 5, f"only {len(project_commands)} project commands found in the docs"
+    inline = [span for spans in INLINE.values() for span in spans]
+    assert len(inline) >= 50, f"only {len(inline)} inline commands found in the docs: " + ", ".join(map(str, inline))
 
 
 def test_the_public_api_is_regroup_elastic_and_its_earlier_name_still_imports_with_a_warning() -> None:
@@ -101,6 +113,11 @@ metadata:
 ```
 
 [broken](no-such-file.md) and [bad anchor](#no-such-heading), [good anchor](#synthetic)
+
+Inline, `regroup status --no-such-inline-flag` and `make bench ARGS="no-such-inline-bench"`; a
+span over a line break, `regroup-run --standby
+--no-such-wrapped-flag`; not commands: `regroup`, `regroup:job:<ns>:<job>`,
+`regroup status: etcd denied range`, `--rdzv-conf no_such_fragment=1`.
 '''
 
 
@@ -124,6 +141,9 @@ def _line(text: str, needle: str) -> int:
         ("regroup.dev/min-nodes", "not a whole number"),
         ("[broken]", "no such file docs/no-such-file.md"),
         ("[bad anchor]", "#no-such-heading"),
+        ("--no-such-inline-flag", "regroup status: no option --no-such-inline-flag"),
+        ("no-such-inline-bench", "no benchmark 'no-such-inline-bench'"),
+        ("regroup-run --standby", "no option --no-such-wrapped-flag"),
     ],
 )
 def test_the_checker_reports_each_mistake_at_its_line(needle: str, message: str) -> None:
@@ -139,7 +159,9 @@ def test_the_checker_reports_each_mistake_at_its_line(needle: str, message: str)
 def test_the_checker_reports_nothing_else_in_the_synthetic_doc() -> None:
     problems = doc_checker().check_markdown(SYNTHETIC, "docs/synthetic.md")
     assert not [p for p in problems if "#synthetic" in p.message], "a heading's own anchor was refused"
-    assert len(problems) <= 16, "\n".join(map(str, problems))
+    not_commands = _line(SYNTHETIC, "not commands:")
+    assert not [p for p in problems if p.line >= not_commands], "a span that is no command was checked"
+    assert len(problems) <= 19, "\n".join(map(str, problems))
 
 
 def test_renaming_a_documented_flag_fails_at_its_file_and_line() -> None:
@@ -163,3 +185,23 @@ def test_renaming_a_documented_flag_fails_at_its_file_and_line() -> None:
             ), "\n".join(map(str, after))
             return
     raise AssertionError("no shell block of the docs holds a flag of regroup, regroup-run or torchrun")
+
+
+def test_renaming_a_flag_written_inline_fails_at_its_file_and_line() -> None:
+    """The same for a command written inline in the prose: one flag renamed in its span."""
+    checker = doc_checker()
+    renamed = 0
+    for path, spans in sorted(INLINE.items()):
+        for span in spans:
+            project = re.match(r"(?:\S*/)?(?:regroup(?:-run)?\s|torchrun\s|make\s|python3?\s+-m\s*(?:bench|regroup)\b)", span.text)
+            match = re.search(r"\s(--[a-z][\w-]+)", span.text)
+            if not project or not match or checker.check_span(span):
+                continue
+            flag = match.group(1)
+            text = span.text[: match.start(1)] + flag + "-renamed" + span.text[match.end(1) :]
+            after = checker.check_span(replace(span, text=text))
+            assert any(
+                p.path == path and p.line == span.line and f"{flag}-renamed" in p.message for p in after
+            ), f"renaming {flag} in {span} went unnoticed: " + "\n".join(map(str, after))
+            renamed += 1
+    assert renamed >= 10, f"only {renamed} inline commands of the docs hold a flag"
