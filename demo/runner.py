@@ -35,6 +35,7 @@ from regroup.demo.nodes import (
     write_trainer_config,
 )
 from regroup.demo.recorder import JobRecorder
+from regroup.demo.finished import JobFinished, job_over
 from regroup.demo.run_state import FlakyNode, RunState
 from regroup.demo.scenario import ChurnEvent, Scenario
 from regroup.etcd import EtcdSettings
@@ -305,48 +306,6 @@ async def _stop_process(process: asyncio.subprocess.Process) -> None:
             await process.wait()
 
 
-class JobFinished(RuntimeError):
-    """The job finished (its agents exited 0) before the run's end: the rest of the scenario
-    cannot play, and the run stops at once instead of waiting for training that never comes."""
-
-
-def _listed(items: Sequence[str]) -> str:
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
-def finished_early(run: RunState, script: bool) -> str:
-    """Why the run stops when the job finished before its end: the step it finished at, the
-    scenario's events it did not reach, and (for a user's script) what to change."""
-    view = run.recorder.view if run.recorder else None
-    step = view.progress.step if view is not None and view.progress is not None else None
-    who = "your script" if script else "the job"
-    said = f"{who} finished (its ranks exited 0) " + (
-        "without publishing a training step" if step is None else f"at step {step}"
-    )
-    duration = run.scenario.duration.total_seconds()
-    left = run.scenario.events[run.played :]
-    if left:
-        times = _listed([f"{e.at.total_seconds():.0f}s ({e.action})" for e in left])
-        said += f", before the scenario's event{'s' if len(left) > 1 else ''} at {times}"
-    else:
-        said += f", before the scenario's end at {duration:.0f}s"
-    if not script:
-        return said
-    advice = (
-        f"train longer (more steps or epochs, in its arguments after --): "
-        f"the scenario plays for {duration:.0f}s once the job trains settled"
-    )
-    if step is None:
-        advice = f"publish progress through regroup.elastic (docs/demo.md, 'Your own script') and {advice}"
-    return f"{said}: {advice}"
-
-
-async def _job_over(run: RunState, script: bool) -> None:
-    """A vital task: ends with ``JobFinished`` once the job finished (an agent exited 0)."""
-    await run.job_over.wait()
-    raise JobFinished(finished_early(run, script))
-
-
 async def await_vital(awaitable: Any, vital: list[asyncio.Task[Any]], timeout: float, what: str) -> None:
     """Await ``awaitable`` for at most ``timeout`` seconds; fail at once if a vital task ends."""
     waiter = asyncio.ensure_future(awaitable)
@@ -439,7 +398,7 @@ async def run_scenario(
                 await await_vital(ready.wait(), vital, CONTROLLER_READY_TIMEOUT, "the controller to be ready")
             # A job that finished (its agents exit 0, its pods are replaced and exit 0 again)
             # never trains again: the run stops at once, saying where it was.
-            vital.append(await stack.enter_async_context(owned_task(_job_over(run, bool(script)), "job-over")))
+            vital.append(await stack.enter_async_context(owned_task(job_over(run, bool(script)), "job-over")))
             stack.push_async_callback(run.cluster.stop)
             trained = asyncio.Event()
             run.recorder.view.progress_listeners.append(lambda _: trained.set())

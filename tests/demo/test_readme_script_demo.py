@@ -25,7 +25,7 @@ from regroup.demo.analysis import event_impacts, load_run
 from regroup.demo.nodes import RunLayout
 from regroup.demo.recorder import JobRecorder
 from regroup.demo.run_state import RunState
-from regroup.demo.runner import finished_early
+from regroup.demo.finished import finished_early
 from regroup.demo.scenario import load_scenario, resolve_scenario_path
 from regroup.etcd import EtcdSettings
 from regroup.keys import JobKeys
