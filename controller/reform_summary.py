@@ -1,8 +1,10 @@
 """One line per finished re-form, for people: its Event and ``regroup status``.
 
-``4 → 3 nodes: reclaim of n3, 0 steps lost, 1.2 s`` (``Resized``): node counts before and
-after, the cause with the nodes that left or joined, the steps lost, and the time from the
-first evidence of the signal to the trainers' first step at the new size. A re-form in
+``4 → 3 nodes: spot reclaim of n3, 0 steps lost, 1.2 s`` (``Resized``): node counts before
+and after, the cause with the nodes that left or joined, the steps lost, and the time from
+the first evidence of the signal to the trainers' first step at the new size. A reclaim
+reads as what sent it (``drain``, ``eviction``, ``spot reclaim`` ...), in the words
+``regroup trace-report`` and the demo's report use (``regroup.reform_causes``). A re-form in
 which waiting nodes took every leaving node's position changed no size, and says who took
 whose place instead: ``n3 replaced by n5 at step 812, 0 steps lost, 0.9 s``
 (``NodeReplaced``), ``n2 migrated to n5 at step 812, 0 steps lost, 0.8 s`` (``NodeMigrated``).
@@ -12,18 +14,19 @@ the likely cause their agents recorded (``WorkerExitedInReform``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from regroup.records import MemberRecord, ReformCause, ReformOutcome, ReformPlan, ReformStrategy
+from regroup.reform_causes import cause_label
 
 _CAUSES = {
-    ReformCause.RECLAIM: "reclaim of",
     ReformCause.NODE_LOST: "loss of",
     ReformCause.RESTART_STORM: "restart storm on",
     ReformCause.GROW: "grow with",
 }
-"""How each cause reads before the nodes it concerns (``ReformPlan.cause``); any other
-cause (``manual``) reads ``manual: n5 left``."""
+"""How each cause reads before the nodes it concerns (``ReformPlan.cause``); a reclaim reads
+as what sent it (``cause_label``: ``drain of n2``, ``spot reclaim of n2``); any other cause
+(``manual``) reads ``manual: n5 left``."""
 
 
 def reform_end(plan: ReformPlan) -> float:
@@ -36,12 +39,16 @@ def reform_seconds(plan: ReformPlan) -> float:
     return max(0.0, reform_end(plan) - plan.detected_at)
 
 
-def resize_message(plan: ReformPlan) -> str:
-    """``4 → 3 nodes: reclaim of n3, 0 steps lost, 1.2 s`` for a finished ``plan``."""
+def resize_message(plan: ReformPlan, cordoned: Collection[str] = ()) -> str:
+    """``4 → 3 nodes: spot reclaim of n3, 0 steps lost, 1.2 s`` for a finished ``plan``;
+    ``cordoned``: the nodes the cluster has cordoned (an eviction of one is a drain)."""
     before, after = plan.nodes_before, plan.nodes_after
     left = sorted(set(before) - set(after))
     joined = sorted(set(after) - set(before))
-    what = _CAUSES.get(plan.cause)
+    if plan.cause == ReformCause.RECLAIM:
+        what: str | None = f"{cause_label(plan.cause, plan.reason, cordoned)} of"
+    else:
+        what = _CAUSES.get(plan.cause)
     grow = plan.cause == ReformCause.GROW
     if what is None:
         moves = [f"{', '.join(nodes)} {verb}" for nodes, verb in ((left, "left"), (joined, "joined")) if nodes]
@@ -62,13 +69,13 @@ _SWAPS: dict[str, tuple[str, str]] = {
 and how its message says who took whose place."""
 
 
-def completion_event(plan: ReformPlan) -> tuple[str, str]:
+def completion_event(plan: ReformPlan, cordoned: Collection[str] = ()) -> tuple[str, str]:
     """(reason, message) of the Normal Event that tells the completed ``plan``:
     ``NodeReplaced`` or ``NodeMigrated`` when waiting nodes took the leaving nodes'
-    positions, ``Resized`` otherwise."""
+    positions, ``Resized`` otherwise (``resize_message``, ``cordoned`` the nodes cordoned)."""
     swap = _SWAPS.get(plan.strategy) if plan.replaced else None
     if swap is None:
-        return "Resized", resize_message(plan)
+        return "Resized", resize_message(plan, cordoned)
     reason, verb = swap
     moves = ", ".join(f"{old} {verb} {new}" for old, new in sorted(plan.replaced.items()))
     return reason, f"{moves} at step {plan.resumed_from_step}, {_tail(plan)}"

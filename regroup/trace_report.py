@@ -1,22 +1,23 @@
 """``regroup trace-report``: the re-form latency table from exported spans.
 
 Reads an OTLP-JSON-lines spans file (``REGROUP_SPANS_FILE``, or ``spans.jsonl`` of a
-``regroup demo`` run) and prints one row per re-form: cause, world size before and after
-(in nodes), planned or not, how the workers reached the new world (``in-place`` or
+``regroup demo`` run) and prints one row per re-form (``regroup.reform_spans``: the
+controller's and the worlds the agents formed on their own): cause, world size before and
+after (in nodes), planned or not, how the workers reached the new world (``in-place`` or
 ``restart``), lost steps, and the seconds spent detecting, checkpointing, re-forming the
 rendezvous and resuming; with ``--resume-split``, also where the resume time went.
 
-Every re-form the job went through is a row: each ``regroup.reform`` trace (the
-controller's), and each new world the agents formed on their own, without the controller
-(a rank crashed: the survivors re-formed around it). The trainers' ``regroup.trainer.resume``
-span tells those apart: a resume joins the trace of the re-form that asked for it, so the
-first resume in a re-form's trace is that re-form's own, and any other is a re-form of the
-agents' own (cause ``crash``), its nodes read off the agents' ``regroup.rendezvous.join``
-spans of the round it formed.
-
 The cause column names what the controller's plan says started the re-form
 (``regroup.reason``), more finely than ``regroup.cause``: a reclaim notice reads as the
-drain, eviction, spot reclaim, scale-down ... that sent it (``cause_label``).
+drain, eviction, spot reclaim, scale-down ... that sent it (``regroup.reform_causes``), as
+the controller's Events say it.
+
+On a ``regroup demo`` run (its folder, or the ``spans.jsonl`` in it) the table is the one
+the demo's report shows (``RunRecords``): the re-forms decided once the job had started,
+each with its lost steps from the progress records (``regroup.progress_history``) and a
+row for each stop of training no re-form accounts for (``STOPPED``), the agents' re-forms
+started at the rank crashes the run injected, and an eviction of a node the run had
+cordoned labelled the drain it is.
 
 ``at_s`` counts from one origin, said above the table: the job's start as ``regroup demo``
 defines it (its scenario clock's start, once the job trained and settled: ``started_at``
@@ -27,273 +28,88 @@ of the run's ``run.json``) when the spans are a demo run's, else the job's first
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from regroup.records import TRACED_PHASES, Progress, ReformCause, ReformPhase
+from regroup.progress_history import Interruption, read_jsonl, read_progress, training_stops
+from regroup.reform_causes import cause_label, cordoned_at
+from regroup.reform_spans import (
+    CRASH,
+    PHASES,
+    RESUME_PHASES,
+    TRAINER_RESUME,
+    Reform,
+    all_reforms,
+    decided_at,
+    first_round,
+    reforms_from_spans,
+    resume_phases,
+)
 from regroup.telemetry import read_spans
 
-REFORM_SPAN = "regroup.reform"
-TRAINER_RESUME = "regroup.trainer.resume"
-"""Rank 0's span of each new world the trainers reached (after its first step)."""
-JOIN_SPAN = "regroup.rendezvous.join"
-"""An agent's span of joining a rendezvous round (``regroup.round``, ``regroup.node``)."""
-CRASH = "crash"
-"""The cause of a re-form the agents made without the controller (a rank or worker crashed)."""
-WORKER_EXIT_ATTR = "regroup.worker_exit"
-"""The root span's line on workers that exited during the re-form instead of re-forming in place."""
-PHASES: tuple[str, ...] = TRACED_PHASES
-RESUME_PHASES: tuple[str, ...] = Progress.RESUME_PHASES
-_RESUME_ATTR = "regroup.resume."
+__all__ = [  # what readers of re-forms import from here (regroup.reform_spans reads them)
+    "CRASH", "PHASES", "TRAINER_RESUME", "Reform", "all_reforms", "cause_label", "reforms_from_spans", "resume_phases",
+]  # fmt: skip
+
 RUN_META = "run.json"
 """A ``regroup demo`` run's own record, beside its ``spans.jsonl``: ``started_at`` is the job's start."""
+FAULT_SOURCE = "fault"
+"""The ``source`` of a fault a ``regroup demo`` run injected (a rank crash), in its ``events.jsonl``."""
+MATCH_S = 5.0
+"""How far a re-form's first step in its new world (its trainers' resume) may be from the
+first progress record after a stop for the two to be one."""
+STOPPED = "stopped"
+"""The cause of a row for a stop of training no re-form of the spans accounts for (one that
+had not resumed by the end of the run, or a script that exports no spans of its own)."""
 
 
-@dataclass(frozen=True)
-class Reform:
-    """One ``regroup.reform`` trace."""
+def with_lost_steps(reforms: list[Reform], stops: list[Interruption]) -> list[Reform]:
+    """The ``reforms`` with their lost steps as the progress records count them (``stops``:
+    the stops of training, ``regroup.progress_history.training_stops``), and a row for each
+    stop no re-form accounts for, so the rows' lost steps add up to the stops'; in time order.
 
-    trace_id: str
-    start: float
-    """Unix time the root span started."""
-    end: float
-    cause: str
-    planned: bool
-    world_before: int
-    world_after: int
-    lost_steps: int
-    """-1 when the span does not say."""
-    phases: dict[str, float]
-    """Seconds spent in each child span present (detect, checkpoint, rendezvous, resume)."""
-    mode: str = ""
-    """``in-place`` or ``restart``: how the workers reached the new world ("" unknown)."""
-    resume_phases: dict[str, float] = field(default_factory=dict)
-    """Seconds of the resume phase by sub-phase (``RESUME_PHASES``), as the trainer reported them."""
-    attributes: dict[str, Any] = field(default_factory=dict)
-    worker_exit: str = ""
-    """Which nodes' workers exited during the re-form instead of re-forming in place, and the
-    likely cause ("" if none did)."""
-    reason: str = ""
-    """Why it started, as the controller's plan says (``regroup.reason``), or which nodes
-    left and joined a world the agents formed on their own."""
-    asked: bool = True
-    """The controller asked for it (a ``regroup.reform`` trace); False: the agents re-formed
-    on their own (``CRASH``), read from the trainers' resume."""
-    resumed_at: float = 0.0
-    """Unix time the trainers' own resume in this re-form ended (their first step in the new
-    world, ``regroup.trainer.resume``); 0 when they exported none."""
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def label(self) -> str:
-        """The cause as the table shows it (``cause_label``)."""
-        return cause_label(self.cause, self.reason)
-
-
-_NOTICE_LABELS: tuple[tuple[str, str], ...] = (
-    # What announced a planned leave (``regroup.controller.signals``), as the plan's reason
-    # names it: "reclaim notice on n2 (<signal>, <source>)".
-    ("spec.unschedulable", "drain"),  # a cordon (kubectl drain, cordon)
-    ("node.kubernetes.io/unschedulable", "drain"),
-    ("(EvictionByEvictionAPI)", "eviction"),  # the pod's DisruptionTarget reason
-    ("(PreemptionByScheduler)", "preemption"),
-    ("(DeletionByTaintManager)", "taint eviction"),
-    ("(TerminationByKubelet)", "kubelet eviction"),
-    ("(DeletionByPodGC)", "pod GC"),
-    ("aws-node-termination-handler/spot-itn", "spot reclaim"),
-    ("aws-node-termination-handler/rebalance-recommendation", "rebalance"),
-    ("aws-node-termination-handler/scheduled-maintenance", "maintenance"),
-    ("aws-node-termination-handler/asg-lifecycle-termination", "scale-in"),
-    ("karpenter.sh/disrupt", "karpenter disruption"),  # v1 disrupted, v1beta1 disruption
-    ("ToBeDeletedByClusterAutoscaler", "scale-down"),
-    ("cloud.google.com/impending-node-termination", "preemption"),
-    ("remediator.kubernetes.azure.com/unschedulable", "node repair"),
-    (" deleted (", "pod deletion"),  # "pod n2-worker deleted (30 s grace)"
-    (" deleted,", "pod deletion"),  # "pod n2-worker deleted, Kubernetes)" (no grace known)
-    (" leaving,", "agent leaving"),  # "agent on n2 leaving, regroup agent)"
-)
-"""The words a planned leave's notice reads as, by what its reason names (first match by
-position in the reason; several notices read as several words)."""
-
-
-def cause_label(cause: str, reason: str) -> str:
-    """What started a re-form, as finely as its plan's ``reason`` says: a reclaim notice
-    reads as the ``drain``, ``eviction``, ``spot reclaim``, ``scale-down`` ... that sent it
-    (``reclaim`` when the reason names none of them, e.g. a taint of
-    ``regroup.dev/reclaim-taints``), a shrink to a lowered max as ``scale``; any other cause
-    as it is (``node-lost``, ``grow``, ``restart-storm``, ``crash``)."""
-    if cause == ReformCause.RECLAIM:
-        found = sorted((at, label) for key, label in _NOTICE_LABELS if (at := reason.find(key)) >= 0)
-        labels = list(dict.fromkeys(label for _, label in found))
-        return "+".join(labels) if labels else cause
-    if cause == ReformCause.MANUAL and "exceed max" in reason:
-        return "scale"
-    return cause
-
-
-def _int_attr(attrs: dict[str, Any], key: str, default: int) -> int:
-    value = attrs.get(key)
-    return default if value is None else int(value)
-
-
-def resume_phases(attrs: dict[str, Any]) -> dict[str, float]:
-    """The ``regroup.resume.<phase>_s`` attributes of a resume span (the controller's
-    ``regroup.resume`` or the trainer's ``regroup.trainer.resume``), in ``RESUME_PHASES`` order."""
-    found = {
-        key.removeprefix(_RESUME_ATTR).removesuffix("_s"): float(value)
-        for key, value in attrs.items()
-        if key.startswith(_RESUME_ATTR) and key.endswith("_s")
-    }
-    rank = {name: i for i, name in enumerate(RESUME_PHASES)}
-    return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
-
-
-def _trainer_resumes(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The trainers' resumes into a new world, oldest first (not a job's first start from an
-    older checkpoint: no re-form, ``regroup.reform.mode`` ``start``)."""
-    found = [s for s in spans if s["name"] == TRAINER_RESUME and s["attributes"].get("regroup.reform.mode") != "start"]
-    return sorted(found, key=lambda s: s["start_ns"])
-
-
-def reforms_from_spans(spans: list[dict[str, Any]]) -> list[Reform]:
-    """Each ``regroup.reform`` root span with its phase children, in time order (the
-    controller's re-forms only: ``all_reforms`` adds those the agents made on their own)."""
-    own_resume: dict[str, float] = {}
-    for resume in _trainer_resumes(spans):
-        own_resume.setdefault(resume["trace_id"], resume["end_ns"] / 1e9)
-    children: dict[str, list[dict[str, Any]]] = {}
-    for span in spans:
-        if span.get("parent_span_id"):
-            children.setdefault(span["parent_span_id"], []).append(span)
-    reforms = []
-    for span in spans:
-        if span["name"] != REFORM_SPAN:
+    A stop is the re-form's whose trainers' first step in the new world (their resume, or
+    the trace's end) is nearest to the first progress after the stop, within ``MATCH_S``; a
+    re-form that stopped no training lost nothing."""
+    pairs = sorted(
+        (abs((r.resumed_at or r.end) - stop.resumed_at), i, j)
+        for i, r in enumerate(reforms)
+        for j, stop in enumerate(stops)
+        if stop.resumed
+    )
+    owner: dict[int, int] = {}
+    taken: set[int] = set()
+    for gap, i, j in pairs:
+        if gap <= MATCH_S and i not in owner and j not in taken:
+            owner[i] = j
+            taken.add(j)
+    rows = [dataclasses.replace(r, lost_steps=stops[owner[i]].lost_steps if i in owner else 0)
+            for i, r in enumerate(reforms)]  # fmt: skip
+    for j, stop in enumerate(stops):
+        if j in taken:
             continue
-        attrs = span["attributes"]
-        phases: dict[str, float] = {}
-        resume_split: dict[str, float] = {}
-        for child in children.get(span["span_id"], []):
-            phase = child["name"].removeprefix("regroup.")
-            if phase in PHASES:
-                phases[phase] = phases.get(phase, 0.0) + (child["end_ns"] - child["start_ns"]) / 1e9
-            if phase == ReformPhase.RESUME:
-                resume_split.update(resume_phases(child["attributes"]))
-        reforms.append(
-            Reform(
-                trace_id=span["trace_id"],
-                start=span["start_ns"] / 1e9,
-                end=span["end_ns"] / 1e9,
-                cause=str(attrs.get("regroup.cause", "")),
-                planned=bool(attrs.get("regroup.planned", False)),
-                world_before=_int_attr(attrs, "regroup.node_count.before", 0),
-                world_after=_int_attr(attrs, "regroup.node_count.after", 0),
-                lost_steps=_int_attr(attrs, "regroup.lost_steps", -1),
-                phases=phases,
-                mode=str(attrs.get("regroup.reform.mode", "")),
-                resume_phases=resume_split,
-                attributes=dict(attrs),
-                worker_exit=str(attrs.get(WORKER_EXIT_ATTR, "")),
-                reason=str(attrs.get("regroup.reason", "")),
-                resumed_at=own_resume.get(span["trace_id"], 0.0),
-            )
-        )
-    return sorted(reforms, key=lambda r: r.start)
+        why = "resumed, no re-form in the spans" if stop.resumed else "training had not resumed by the run's end"
+        rows.append(Reform(trace_id="", start=stop.stopped_at, end=stop.resumed_at, cause=STOPPED, planned=False,
+                           world_before=-1, world_after=-1, lost_steps=stop.lost_steps, phases={}, reason=why,
+                           asked=False))  # fmt: skip
+    return sorted(rows, key=lambda r: r.start)
 
 
-@dataclass(frozen=True)
-class _Round:
-    nodes: frozenset[str]
-    formed_at: float
-    """When its last agent finished joining (the round formed), unix time."""
+Mark = tuple[float, str, tuple[str, ...]]
+"""(time, reason, nodes) of an Event of a run."""
 
 
-def _rounds(spans: list[dict[str, Any]]) -> dict[int, _Round]:
-    """Rendezvous round -> its nodes and when it formed, from the agents' join spans."""
-    nodes: dict[int, set[str]] = {}
-    formed: dict[int, float] = {}
-    for span in spans:
-        attrs = span["attributes"]
-        if span["name"] != JOIN_SPAN or attrs.get("regroup.round") is None:
-            continue
-        number = int(attrs["regroup.round"])
-        nodes.setdefault(number, set()).add(str(attrs.get("regroup.node", "")))
-        formed[number] = max(formed.get(number, 0.0), span["end_ns"] / 1e9)
-    return {n: _Round(frozenset(nodes[n]), formed[n]) for n in nodes}
-
-
-def agent_reforms(spans: list[dict[str, Any]], traced: list[Reform] | None = None) -> list[Reform]:
-    """The new worlds the agents formed on their own (cause ``CRASH``), in time order: each
-    trainer resume that is not the first in a ``regroup.reform`` trace (``traced``, read from
-    ``spans`` unless given). One starts at the first sign of it (the resume's start, or its
-    end less the resume phases the trainer reported), not before the last world's first
-    step; its world is the round that formed meanwhile (the agents' join spans), its lost
-    steps unknown (-1: the spans do not say)."""
-    traced = reforms_from_spans(spans) if traced is None else traced
-    asked = {r.trace_id for r in traced}
-    rounds = _rounds(spans)
-    owned: set[str] = set()
-    found: list[Reform] = []
-    previous_end = float("-inf")
-    for resume in _trainer_resumes(spans):
-        trace_id, attrs = resume["trace_id"], resume["attributes"]
-        start, end = resume["start_ns"] / 1e9, resume["end_ns"] / 1e9
-        if trace_id in asked and trace_id not in owned:
-            owned.add(trace_id)
-            previous_end = end
-            continue
-        split = resume_phases(attrs)
-        start = max(previous_end, min(start, end - sum(split.values())))
-        previous_end = end
-        formed = [(n, r) for n, r in rounds.items() if start - 1.0 <= r.formed_at <= end]
-        number, world = max(formed, key=lambda item: item[0]) if formed else (0, None)
-        before = rounds.get(number - 1)
-        phases = {"resume": end - start}
-        if world is not None and start <= world.formed_at:
-            phases = {"rendezvous": world.formed_at - start, "resume": end - world.formed_at}
-        found.append(
-            Reform(
-                trace_id=trace_id,
-                start=start,
-                end=end,
-                cause=CRASH,
-                planned=False,
-                world_before=len(before.nodes) if before is not None else -1,
-                world_after=len(world.nodes) if world is not None else -1,
-                lost_steps=-1,
-                phases=phases,
-                mode=str(attrs.get("regroup.reform.mode", "")),
-                resume_phases=split,
-                attributes=dict(attrs),
-                reason=_moves(before, world),
-                asked=False,
-                resumed_at=end,
-            )
-        )
-    return found
-
-
-def _moves(before: _Round | None, after: _Round | None) -> str:
-    """``n1 left; n5 joined``: how a world the agents formed on their own differs from the last."""
-    if before is None or after is None:
-        return "the agents re-formed on their own"
-    moves = [f"{', '.join(sorted(nodes))} {verb}" for nodes, verb in
-             ((before.nodes - after.nodes, "left"), (after.nodes - before.nodes, "joined")) if nodes]  # fmt: skip
-    return "; ".join(moves) or "the same nodes re-formed"
-
-
-def all_reforms(spans: list[dict[str, Any]]) -> list[Reform]:
-    """Every re-form the spans record, in time order: the controller's traces and the worlds
-    the agents formed on their own (``agent_reforms``)."""
-    traced = reforms_from_spans(spans)
-    return sorted([*traced, *agent_reforms(spans, traced)], key=lambda r: r.start)
+def reform_label(reform: Reform, marks: Sequence[Mark] = ()) -> str:
+    """The re-form's cause as the table shows it: as its plan says (``cause_label``), an
+    eviction of a node the run's Events (``marks``) show cordoned when the re-form was
+    decided (within a second) as the drain it is."""
+    return cause_label(reform.cause, reform.reason, cordoned_at(marks, decided_at(reform) + 1.0))
 
 
 @dataclass(frozen=True)
@@ -320,22 +136,67 @@ def demo_start(mode: str) -> str:
     return DEMO_START_UNSETTLED if mode == "torchrun-c10d" else DEMO_START
 
 
+@dataclass(frozen=True)
+class RunRecords:
+    """What a ``regroup demo`` run keeps beside its spans that its table reads."""
+
+    origin: Origin
+    """The job's start (``run.json``'s ``started_at``)."""
+    stops: list[Interruption]
+    """Its stops of training (``progress.jsonl``)."""
+    faults: tuple[float, ...]
+    """When it injected each fault (``events.jsonl``, ``FAULT_SOURCE``)."""
+    marks: tuple[Mark, ...]
+    """Its Events (``events.jsonl``), in time order."""
+
+    def reforms(self, spans: list[dict[str, Any]]) -> list[Reform]:
+        """The run's re-forms (``all_reforms``, the agents' started at the faults) decided
+        once the job had started: its initial formation is not churn."""
+        return [r for r in all_reforms(spans, self.faults) if decided_at(r) >= self.origin.at]
+
+    def table(self, spans: list[dict[str, Any]]) -> list[Reform]:
+        """The run's re-form table, as its report shows it: its re-forms with their lost
+        steps, and its stops no re-form accounts for (``with_lost_steps``)."""
+        return with_lost_steps(self.reforms(spans), self.stops)
+
+    def label(self, reform: Reform) -> str:
+        """The re-form's cause as the table shows it (``reform_label`` on the run's Events)."""
+        return reform_label(reform, self.marks)
+
+
+def run_records(path: Path | None) -> RunRecords | None:
+    """The records of the ``regroup demo`` run whose folder is ``path`` (or holds the spans
+    file ``path``); None when there is none (no ``run.json`` with a ``started_at``)."""
+    if path is None:
+        return None
+    root = path if path.is_dir() else path.parent
+    try:
+        meta = json.loads((root / RUN_META).read_text())
+        started, ended = float(meta["started_at"]), float(meta.get("ended_at") or 0.0)
+        events = sorted(read_jsonl(root / "events.jsonl"), key=lambda e: float(e["time"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if started <= 0:
+        return None
+    progress = read_progress(root / "progress.jsonl", script=bool(meta.get("script")))
+    return RunRecords(
+        origin=Origin(started, demo_start(str(meta.get("mode", "")))),
+        stops=training_stops(progress, ended, meta.get("latest_checkpoint_step")),
+        faults=tuple(float(e["time"]) for e in events if e.get("source") == FAULT_SOURCE),
+        marks=tuple((float(e["time"]), str(e.get("reason", "")), tuple(e.get("nodes") or ())) for e in events),
+    )
+
+
 def job_start(path: Path | None, spans: list[dict[str, Any]]) -> Origin | None:
     """The job's start: ``run.json``'s ``started_at`` beside the spans of a ``regroup demo``
     run (its folder or its ``spans.jsonl``), else the first rendezvous round the spans show
     formed, else the first re-form's start; None without any of them."""
-    if path is not None:
-        meta = (path if path.is_dir() else path.parent) / RUN_META
-        try:
-            run = json.loads(meta.read_text()) if meta.is_file() else {}
-            started, mode = run.get("started_at"), str(run.get("mode", ""))
-        except (OSError, ValueError, AttributeError):
-            started, mode = None, ""
-        if isinstance(started, int | float) and started > 0:
-            return Origin(float(started), demo_start(mode))
-    rounds = _rounds(spans)
-    if rounds:
-        return Origin(rounds[min(rounds)].formed_at, f"the job's first rendezvous round formed (round {min(rounds)})")
+    records = run_records(path)
+    if records is not None:
+        return records.origin
+    first = first_round(spans)
+    if first is not None:
+        return Origin(first[1], f"the job's first rendezvous round formed (round {first[0]})")
     reforms = all_reforms(spans)
     return Origin(reforms[0].start, "the first re-form's start") if reforms else None
 
@@ -431,15 +292,20 @@ def run(args: argparse.Namespace) -> int:
     except SpansFileError as exc:
         print(f"regroup trace-report: {exc}", file=sys.stderr)
         return 2
-    reforms = all_reforms(spans)
-    origin = job_start(args.spans, spans)
+    records = run_records(args.spans)
+    if records is not None:
+        reforms, origin = records.table(spans), records.origin
+        labels = [records.label(r) for r in reforms]
+    else:
+        reforms, origin = all_reforms(spans), job_start(None, spans)
+        labels = [r.label for r in reforms]
     if args.json:
         print(json.dumps([
-            {**asdict(r), "label": r.label, "duration": r.duration,
+            {**asdict(r), "label": label, "duration": r.duration,
              "at_s": None if origin is None else r.start - origin.at,
              "origin": None if origin is None else origin.what}
-            for r in reforms
+            for r, label in zip(reforms, labels)
         ], indent=2))  # fmt: skip
     else:
-        print(format_table(reforms, origin=origin, resume_split=args.resume_split))
+        print(format_table(reforms, origin=origin, resume_split=args.resume_split, labels=labels))
     return 0

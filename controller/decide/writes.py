@@ -104,7 +104,7 @@ def finish(s: JobSnapshot, plan: ReformPlan, now: float, outcome: ReformOutcome,
     if exits:
         out.actions.append(PostPodEvents(s.pods, "Warning", WORKER_EXITED, f"re-form {plan.generation}: {exits}"))
     if outcome == ReformOutcome.COMPLETED:
-        reason, message = completion_event(done)
+        reason, message = completion_event(done, cordoned=[n for n, info in s.nodes.items() if info.unschedulable])
         out.actions.append(PostPodEvents(s.pods, "Normal", reason, message))
     else:
         what = f"re-form {plan.generation} ({plan.cause.value}, phase {plan.phase.value})"

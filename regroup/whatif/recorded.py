@@ -237,8 +237,13 @@ class RecordedCheckpoint:
     source: str
 
 
-FROM_MEMORY = "recorded: {n} acked from memory, no save to storage in the spans; --checkpoint-cost for one"
-"""The source of a ``C`` read from checkpoints that were acked from memory."""
+FROM_MEMORY = "acked from memory at {n} re-forms, not saved to storage: the spans time no save to storage"
+"""The source of a ``C`` read from checkpoints that were acked from memory (``from_memory``)."""
+
+
+def from_memory(source: str) -> bool:
+    """``C``'s ``source`` says it is an ack from memory standing in for a save to storage."""
+    return source.startswith(FROM_MEMORY.split("{", 1)[0])
 
 
 def recorded_checkpoint(spans: list[dict[str, Any]]) -> RecordedCheckpoint | None:

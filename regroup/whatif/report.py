@@ -11,7 +11,7 @@ from typing import Any
 from regroup.whatif.churn import Churn, JobShape
 from regroup.whatif.costs import Figure, ReformCosts
 from regroup.whatif.model import EVENTS, Outcome
-from regroup.whatif.recorded import Stall, StallKind
+from regroup.whatif.recorded import Stall, StallKind, from_memory
 
 
 def _every(value: timedelta | None) -> float | None:
@@ -98,16 +98,25 @@ def _counted(kind: StallKind, count: int) -> str:
     return f"{count} {name}{'s' if count != 1 and kind == StallKind.GROW else ''}"
 
 
+STORAGE_NOT_TIMED = (
+    "note: C is an ack from memory, not the cost of a save to storage; the restart paths and the checkpoint\n"
+    "interval below use it in place of one (a save to storage costs more): give --checkpoint-cost for its cost"
+)
+"""Said under the recorded figures when ``C`` is an ack from memory (``recorded.from_memory``)."""
+
+
 def _recorded_line(stalls: list[Stall], costs: ReformCosts) -> str:
     counts = Counter(s.kind for s in stalls)
     kinds = ", ".join(_counted(k, counts[k]) for k in StallKind if counts[k])
     step = "not recorded" if costs.step is None else f"{costs.step.seconds:.3f}s ({costs.step.source})"
     lost = costs.lost_steps
+    memory = from_memory(costs.checkpoint.source)
     return "\n".join([
         f"recorded: {len(stalls)} re-forms ({kinds}), {lost.seconds:.2g} steps lost per unplanned one ({lost.source})",
         f"step {step}; checkpoint {costs.checkpoint.seconds:.3g}s ({costs.checkpoint.source}); "
         f"load {costs.load.seconds:.3g}s ({costs.load.source}); "
         f"process start {human(costs.process_start.seconds)} ({costs.process_start.source})",
+        *([STORAGE_NOT_TIMED] if memory else []),
     ])  # fmt: skip
 
 

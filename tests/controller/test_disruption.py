@@ -209,7 +209,7 @@ async def test_a_preempted_member_pod_is_checkpointed_out_and_kept_out(kube_api,
         )
         assert {e["involvedObject"]["name"] for e in resized} == {f"{JOB}-{n}" for n in ("n1", "n2", "n3")}
         assert all(e["type"] == "Normal" for e in resized)
-        assert resized[0]["message"].startswith("3 → 2 nodes: reclaim of n2, 0 steps lost, ")
+        assert resized[0]["message"].startswith("3 → 2 nodes: preemption of n2, 0 steps lost, ")
         # The preemption is called off: the condition goes, and so does the exclusion.
         kube_api.patch("Pod", f"{JOB}-n2", {"status": {"conditions": pod_status["conditions"]}}, namespace=E2E_NS)
         await cluster.wait_record(E2E_KEYS.excluded, Exclusions, lambda e: "n2" not in e.nodes)

@@ -335,7 +335,7 @@ async def test_an_evicted_member_is_checkpointed_out_within_its_grace(
         plan = await cluster.wait_record(E2E_KEYS.plan, ReformPlan, lambda p: p.phase == "done")
         assert plan.outcome == "completed" and plan.planned and plan.fallback == "" and plan.lost_steps == 0
         resized = await kube_api.wait_for(lambda api: [e for e in api.events(E2E_NS) if e["reason"] == "Resized"])
-        assert resized[0]["message"].startswith("3 → 2 nodes: reclaim of n2, 0 steps lost, ")
+        assert resized[0]["message"].startswith("3 → 2 nodes: eviction of n2, 0 steps lost, ")
         assert "unplanned" not in resized[0]["message"]
         await until(lambda: sample(metrics, "regroup_reforms_total", namespace=E2E_NS, job=JOB, cause="reclaim",
                                    planned="true") == 1)

@@ -221,7 +221,9 @@ def test_a_demo_runs_times_count_from_the_jobs_start_as_the_demo_defines_it(
         # The reclaim's trace started at T0 + 10.5: 6.5 s after the job's start.
         assert [row.split()[1] for row in rows[:3]] == ["6.5", "26.2", "41.0"]
         code, out, _ = run_cli(capsys, str(path), "--json")
-        assert [round(r["at_s"], 1) for r in json.loads(out)] == [6.5, 26.2, 41.0]
+        # The run's table, as its report shows it: the stop at its end (no re-form) is a row.
+        assert [(round(r["at_s"], 1), r["label"]) for r in json.loads(out)] == [
+            (6.5, "reclaim"), (26.2, "node-lost"), (41.0, "grow"), (57.5, "stopped")]  # fmt: skip
     run = load_run(root)
     text = summary_text([run], tmp_path / "report.html")
     assert f"at_s: seconds since {trace_report.DEMO_START}" in text

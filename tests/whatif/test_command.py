@@ -106,8 +106,13 @@ def test_the_checkpoint_cost_defaults_to_the_recorded_one_even_from_memory(tmp_p
     job.close()
     result = whatif(str(memory_only), "--nodes", "4", "--loss-every", "1h")
     assert result.returncode == 0, result.stderr
-    assert ("checkpoint 0.3s (recorded: 2 acked from memory, no save to storage in the spans; --checkpoint-cost "
-            "for one)") in result.stdout  # fmt: skip
+    assert ("checkpoint 0.3s (acked from memory at 2 re-forms, not saved to storage: the spans time no save to "
+            "storage)") in result.stdout  # fmt: skip
+    # It is not called the cost of a save to storage: the output says what it stands in for.
+    assert "note: C is an ack from memory, not the cost of a save to storage;" in result.stdout
+    assert "give --checkpoint-cost for its cost" in result.stdout
+    stored = whatif(str(churned_job(tmp_path / "saved.jsonl")), "--nodes", "4", "--loss-every", "1h")
+    assert "note: C is an ack from memory" not in stored.stdout
     report = json.loads(whatif(str(memory_only), "--nodes", "4", "--loss-every", "1h", "--json").stdout)
     assert report["costs"]["checkpoint"]["seconds"] == pytest.approx(0.3)
     # A save to storage in the spans is what C is, whatever the acks from memory cost.
