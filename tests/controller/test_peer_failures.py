@@ -115,14 +115,19 @@ def test_a_silent_name_never_accuses_the_reporter_a_reporter_or_a_node_outside_t
         assert plan_of(decide(s, SETTLED + 5, S)) is None
 
 
-def test_the_record_of_an_agent_named_dead_is_no_joiner_a_new_agent_of_its_node_is() -> None:
+def n2_named_dead() -> Scene:
+    """n1's probe named n2 silent after round 1's collective failed; round 2 formed without
+    n2. The survivors' records keep their report of round 1, and n2's record stands (round 1)."""
     shared = {"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}
     s = reported(running(shared), "n1", "127.0.0.1", silent=("n2",))
-    # Round 2 formed without n2; the survivors' records keep their report of round 1, and
-    # n2's record stands (round 1) until its lease runs out.
     s = s.round_formed(2, ["n1", "n3"], at=T0 + 3)
     for n in ("n1", "n3"):
         s = s.with_member(dataclasses.replace(s.members[n], round=2), at=T0 + 3)
+    return s
+
+
+def test_the_record_of_an_agent_named_dead_is_no_joiner_a_new_agent_of_its_node_is() -> None:
+    s = n2_named_dead()  # its record stands until its lease runs out
     assert s.members["n2"].round == 1
     d = decide(s, T0 + 60, S)  # any join window long closed
     assert plan_of(d) is None and "join" not in d.reason, d.reason
@@ -136,11 +141,7 @@ def test_an_agent_named_dead_that_then_writes_its_record_is_alive_and_a_joiner_a
     # A survivor's probe read n2's lease between two renewals and named it; n2's agent was
     # alive (its own rank had crashed): it writes its record again, on probation, in the same
     # round. Once the probation is over it is a joiner, not a dead agent's record.
-    shared = {"n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}
-    s = reported(running(shared), "n1", "127.0.0.1", silent=("n2",))
-    s = s.round_formed(2, ["n1", "n3"], at=T0 + 3)
-    for n in ("n1", "n3"):
-        s = s.with_member(dataclasses.replace(s.members[n], round=2), at=T0 + 3)
+    s = n2_named_dead()
     probation_ends = FAILED_AT + 6
     s = s.with_member(dataclasses.replace(s.members["n2"], restart_count=1, not_before=probation_ends), at=FAILED_AT + 1)
     waiting = decide(s, probation_ends - 1, S)
