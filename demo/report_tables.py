@@ -7,7 +7,8 @@ import html
 
 from regroup.demo.analysis import EventRow, RunData, event_impacts, event_rows, reform_label, reform_rows
 from regroup.demo.strategy import Strategy, plans_by_trace
-from regroup.demo.summary import CORDONED, RunSummary, ratio_text, reform_strategy, strategies_text
+from regroup.demo.strategy import reform_strategy
+from regroup.demo.summary import CORDONED, RunSummary, ratio_text, strategies_text
 from regroup.demo.throughput import throughput_around_events
 from regroup.trace_report import Reform, table_rows
 

@@ -11,8 +11,11 @@ that took its position) and on its trace (the root span's ``regroup.strategy``, 
 - ``elastic``: the world size changed.
 
 The trace's word is taken first, then the plan's (the last record of its generation, as
-``plans.jsonl`` holds it). A run whose controller recorded neither has no strategy here:
-the report shows one only where the run recorded it, and never guesses.
+``plans.jsonl`` holds it). A world the agents formed on their own (a crashed rank's) has no
+plan: its strategy is the one its spans show (``regroup.reform_spans``: the controller's
+rule on the worlds' positions before and after, e.g. a spare in the crashed rank's position:
+``replace``). A re-form none of them gives a strategy is counted as ``NOT_RECORDED``: the
+report shows a strategy only where the run recorded it, and never guesses.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from regroup.trace_report import Reform
 STRATEGIES: tuple[str, ...] = ("replace", "migrate", "elastic")
 STRATEGY_ATTR = "regroup.strategy"
 REPLACED_ATTR = "regroup.replaced"
+NOT_RECORDED = "not recorded"
+"""The name ``strategy_counts`` counts a re-form under when the run recorded no strategy for it."""
 
 
 @dataclass(frozen=True)
@@ -79,13 +84,12 @@ def plan_strategy(body: dict[str, Any]) -> Strategy | None:
 
 
 def reform_strategy(reform: Reform, plans_by_trace: dict[str, dict[str, Any]]) -> Strategy | None:
-    """The strategy of one re-form trace: its root span's attributes, else its plan's (none
-    for a world the agents formed on their own: it has no plan, and shares a trace with the
-    re-form before it)."""
-    if not reform.asked:
-        return None
+    """The strategy of one re-form: its spans' word (the controller's root span, or for a
+    world the agents formed on their own, the one its worlds' positions show), else its
+    plan's; None where neither says. A world the agents formed on their own never takes a
+    plan's: it has none, and shares a trace with the re-form before it."""
     from_span = _strategy(reform.attributes.get(STRATEGY_ATTR), reform.attributes.get(REPLACED_ATTR))
-    if from_span is not None:
+    if from_span is not None or not reform.asked:
         return from_span
     plan = plans_by_trace.get(reform.trace_id)
     return plan_strategy(plan) if plan is not None else None
@@ -112,6 +116,11 @@ def round_strategies(run: RunData) -> dict[int, Strategy]:
 
 
 def strategy_counts(run: RunData) -> dict[str, int]:
-    """How many re-forms of the run took each strategy ({} when none was recorded)."""
-    counts = Counter(s.name for s in reform_strategies(run) if s is not None)
-    return {name: counts[name] for name in (*STRATEGIES, *sorted(set(counts) - set(STRATEGIES))) if counts[name]}
+    """How many re-forms of the run (``run_reforms``) took each strategy, and how many
+    recorded none (``NOT_RECORDED``), so the counts add up to the re-forms; {} when none
+    was recorded."""
+    counts = Counter(s.name if s is not None else NOT_RECORDED for s in reform_strategies(run))
+    if set(counts) <= {NOT_RECORDED}:
+        return {}
+    names = [*STRATEGIES, *sorted(set(counts) - {*STRATEGIES, NOT_RECORDED}), NOT_RECORDED]
+    return {name: counts[name] for name in names if counts[name]}

@@ -4,10 +4,8 @@ of ``regroup demo``; the HTML report (``regroup.demo.report``) shows the same nu
 from __future__ import annotations
 
 import shlex
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from regroup.demo.analysis import (
     RunData,
@@ -22,35 +20,9 @@ from regroup.demo.analysis import (
     run_interruptions,
     run_reforms,
 )
-from regroup.demo.strategy import REPLACED_ATTR, STRATEGIES, STRATEGY_ATTR, Strategy, parse_replaced, plans_by_trace
-from regroup.demo.strategy import reform_strategy as _traced_strategy
+from regroup.demo.strategy import NOT_RECORDED, strategy_counts
 from regroup.demo.throughput import throughput_around_events
 from regroup.trace_report import Reform, format_table
-
-NOT_RECORDED = "not recorded"
-
-
-def reform_strategy(reform: Reform, plans: dict[str, dict[str, Any]]) -> Strategy | None:
-    """The strategy of one re-form: the controller's (its trace, else its plan:
-    ``regroup.demo.strategy.reform_strategy``), and for a world the agents formed on their
-    own, the one its spans show (``regroup.reform_spans``: the controller's rule on the
-    worlds before and after, e.g. a spare in a crashed rank's position: ``replace``)."""
-    if reform.asked:
-        return _traced_strategy(reform, plans)
-    name = str(reform.attributes.get(STRATEGY_ATTR) or "")
-    return Strategy(name, parse_replaced(reform.attributes.get(REPLACED_ATTR))) if name else None
-
-
-def strategy_counts(run: RunData) -> dict[str, int]:
-    """How many re-forms of the run took each strategy, and how many recorded none
-    (``NOT_RECORDED``), so the counts add up to the re-forms; {} when none was recorded."""
-    plans = plans_by_trace(run)
-    found = [reform_strategy(r, plans) for r in run_reforms(run)]
-    counts = Counter(s.name if s is not None else NOT_RECORDED for s in found)
-    if set(counts) <= {NOT_RECORDED}:
-        return {}
-    names = [*STRATEGIES, *sorted(set(counts) - {*STRATEGIES, NOT_RECORDED}), NOT_RECORDED]
-    return {name: counts[name] for name in names if counts[name]}
 
 
 @dataclass(frozen=True)

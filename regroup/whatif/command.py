@@ -2,7 +2,8 @@
 with ``--spares``); and with ``--params``, what moving a model of that size costs at each
 kind of re-form.
 
-Reads the job's own spans (``regroup trace-report``'s reading), asks the model
+Reads the job's own spans (``regroup trace-report``'s reading: the same re-forms, and in a
+``regroup demo`` run folder the rank crashes the run recorded), asks the model
 (``regroup.whatif.model``) and prints its tables, or JSON with ``--json``
 (``regroup.whatif.report``). Bad input (a malformed duration, an empty spans file, spans
 without a re-form) exits 2 with a message that names the option or the file.
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from regroup.controller.jobconfig import parse_duration
-from regroup.trace_report import SpansFileError, load_spans
+from regroup.trace_report import SpansFileError, load_spans, run_records
 from regroup.whatif.churn import DEFAULT_NOTICE, DEFAULT_REPLACE_AFTER, Churn, JobShape, WhatIfError
 from regroup.whatif.costs import costs_from_stalls
 from regroup.whatif.model import outcomes
@@ -96,7 +97,8 @@ def _stalls(path: Path) -> tuple[list[dict[str, Any]], list[Stall]]:
     shown = path / "spans.jsonl" if path.is_dir() else path
     if not spans:
         raise WhatIfError(f"{shown}: no spans in it")
-    stalls = stalls_from_spans(spans)
+    records = run_records(path)  # a `regroup demo` run's: its worlds re-formed after a crash start at the crash
+    stalls = stalls_from_spans(spans, records.faults if records is not None else ())
     if not stalls:
         raise WhatIfError(f"{shown}: no re-form in it (no regroup.reform or regroup.trainer.resume span)")
     return spans, stalls

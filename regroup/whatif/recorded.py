@@ -1,24 +1,30 @@
 """What a job's own re-forms cost it, read from the spans it exported.
 
 Every new world the trainers reached is one ``Stall``: training stopped, then ran again at
-the trainers' first step in the new world. Where the trainers exported their half of the
-trace (``regroup.trainer.resume``, ``regroup.trainer.checkpoint``: any script on the public
-API does), each of their resumes is one stall, and it ends with that resume span. It starts:
+the trainers' first step in the new world. The re-forms are the ones ``regroup trace-report``
+and the demo's report show (``regroup.reform_spans.all_reforms``): the controller's traces,
+and the worlds the agents formed on their own (a rank crashed: cause ``crash``). Where the
+trainers exported their half of the trace (``regroup.trainer.resume``,
+``regroup.trainer.checkpoint``: any script on the public API does), each re-form with a
+resume of its own is one stall, and it ends at that resume's end, as its row does. It starts:
 
 - for a planned re-form (``regroup.planned``: the controller asked for a checkpoint first),
   when the trainers stopped at the agreed step to save: the start of the trainer's
   checkpoint span in the same trace (training goes on while the controller gathers a join
-  window or waits for the checkpoint request to be seen);
-- for an unplanned one, at the first sign of it: the earliest of the controller's
-  ``regroup.reform`` start, the trainer's own resume start and the resume's end less the
-  seconds the trainer reported resuming (on the restart path, the new process's startup
-  comes before its span begins). A re-form without a resume of its own since the last
-  world (one superseded by the next) starts the stall it belongs to, so its time counts.
+  window or waits for the checkpoint request to be seen), so the stall is its row less
+  those seconds;
+- for an unplanned one, where its row starts: the controller's ``regroup.reform`` start,
+  or for a world the agents formed on their own, the crash a ``regroup demo`` run recorded
+  (``faults``), else the first survivor of the last world to begin joining the new one (a
+  spare's wait in the round is not the re-form's), else the trainer's resume start or its
+  end less the seconds it reported resuming. A re-form without a resume of its own (one
+  superseded by the next) starts the stall it belongs to, so its time counts. A re-form the
+  controller began before the last world's first step (a restart storm's cordon decided
+  while the crash's world resumed) stalls from its own trainers' resume: the last world
+  trained until then.
 
-A trainer's resume joins the trace of the re-form that asked for it; one that no re-form
-asked for (the agents re-formed a crashed rank's world on their own) joins the latest
-re-form's trace as a second resume. The first resume in a trace is that re-form's own; a
-later one is an unplanned re-form of cause ``crash``.
+Stalls are in the order training resumed (each new world's first step), not the order the
+re-forms started.
 
 Without trainer spans (a script off the public API, under plain torchrun), each
 ``regroup.reform`` trace is one stall, from its start (after its detect phase when planned)
@@ -34,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from regroup.records import DETECT_PHASE, Progress
-from regroup.trace_report import CRASH, TRAINER_RESUME, Reform, reforms_from_spans, resume_phases
+from regroup.trace_report import TRAINER_RESUME, Reform, all_reforms, resume_phases
 
 TRAINER_CHECKPOINT = "regroup.trainer.checkpoint"
 RESTART_MODE = "restart"
@@ -102,8 +108,9 @@ def _kind(reform: Reform) -> StallKind:
 
 
 def _churn(reforms: list[Reform]) -> list[Reform]:
-    """The re-forms of a running job (the first formation, from no node, is not churn)."""
-    return [r for r in reforms if r.world_before > 0]
+    """The re-forms of a running job (the first formation, from no node, is not churn; a
+    world the agents formed on their own always had one before it)."""
+    return [r for r in reforms if not r.asked or r.world_before > 0]
 
 
 def _stall_from_reform(reform: Reform) -> Stall:
@@ -120,56 +127,60 @@ def _stall_from_reform(reform: Reform) -> Stall:
     )
 
 
-def stalls_from_spans(spans: list[dict[str, Any]]) -> list[Stall]:
-    """Every stall of training the spans record, in time order (the module docstring)."""
-    reforms = _churn(reforms_from_spans(spans))
-    resumes = _trainer_spans(spans, TRAINER_RESUME)
-    if not resumes:
+def stalls_from_spans(spans: list[dict[str, Any]], faults: Iterable[float] = ()) -> list[Stall]:
+    """Every stall of training the spans record, in the order training resumed (the module
+    docstring). ``faults``: unix times of the rank crashes a ``regroup demo`` run recorded,
+    where the worlds the agents formed on their own start (``all_reforms``)."""
+    reforms = _churn(all_reforms(spans, faults))
+    resumed = sorted((r for r in reforms if r.resumed_at), key=lambda r: r.resumed_at)
+    if not resumed:
         return [_stall_from_reform(r) for r in reforms]
+    own = {(s.trace_id, s.end): s for s in _trainer_spans(spans, TRAINER_RESUME)}
     checkpoints = _trainer_spans(spans, TRAINER_CHECKPOINT)
-    by_trace = {r.trace_id: r for r in reforms}
-    owned: set[str] = set()
+    superseded = [r.start for r in reforms if not r.resumed_at and not r.planned]
     stalls: list[Stall] = []
     previous_end = float("-inf")
-    for resume in resumes:
-        reform = by_trace.get(resume.trace_id)
-        if reform is not None and reform.trace_id in owned:
-            reform = None  # a later resume in the trace: the agents re-formed on their own
-        elif reform is not None:
-            owned.add(reform.trace_id)
-        stalls.append(_stall_from_resume(resume, reform, reforms, checkpoints, previous_end))
-        previous_end = resume.end
+    for reform in resumed:
+        resume = own.get((reform.trace_id, reform.resumed_at))
+        attrs = reform.attributes if resume is None else resume.attributes
+        saves = [c for c in checkpoints
+                 if c.trace_id == reform.trace_id and previous_end <= c.start <= reform.resumed_at]  # fmt: skip
+        since = [t for t in superseded if previous_end < t < reform.resumed_at]
+        stalls.append(
+            Stall(
+                start=_stall_start(reform, resume, saves, since, previous_end),
+                end=reform.resumed_at,
+                kind=_kind(reform),
+                cause=reform.cause,
+                mode=str(attrs.get("regroup.reform.mode", reform.mode)),
+                lost_steps=reform.lost_steps,
+                resume_phases=resume_phases(attrs) or dict(reform.resume_phases),
+                checkpoint=sum(float(c.attributes.get("regroup.checkpoint.duration_s", c.end - c.start))
+                               for c in saves),  # fmt: skip
+                resumed_from_step=int(attrs.get("regroup.resumed_from_step", -1)),
+            )
+        )
+        previous_end = reform.resumed_at
     return stalls
 
 
-def _stall_from_resume(
-    resume: _TrainerSpan,
-    reform: Reform | None,
-    reforms: list[Reform],
-    checkpoints: list[_TrainerSpan],
-    previous_end: float,
-) -> Stall:
-    attrs = resume.attributes
-    phases = resume_phases(attrs)
-    saves = [c for c in checkpoints if c.trace_id == resume.trace_id and previous_end <= c.start <= resume.start]
-    if reform is not None and reform.planned:
-        start = saves[0].start if saves else reform.start + reform.phases.get(DETECT_PHASE, 0.0)
-    else:
-        # The earliest sign: this re-form, or one since the last world that had no resume of its own.
-        signs = [resume.start, resume.end - sum(phases.values())]
-        signs += [r.start for r in reforms if previous_end < r.start < resume.end and not r.planned]
-        start = max(previous_end, min(signs))
-    return Stall(
-        start=start,
-        end=resume.end,
-        kind=_kind(reform) if reform is not None else StallKind.UNPLANNED,
-        cause=reform.cause if reform is not None else CRASH,
-        mode=str(attrs.get("regroup.reform.mode", "")),
-        lost_steps=reform.lost_steps if reform is not None else -1,
-        resume_phases=phases,
-        checkpoint=sum(float(c.attributes.get("regroup.checkpoint.duration_s", c.end - c.start)) for c in saves),
-        resumed_from_step=int(attrs.get("regroup.resumed_from_step", -1)),
-    )
+def _stall_start(reform: Reform, resume: _TrainerSpan | None, saves: list[_TrainerSpan], superseded: list[float],
+                 previous_end: float) -> float:  # fmt: skip
+    """When training stopped for ``reform``, whose trainers' first step in the new world
+    follows ``previous_end`` (the last world's): ``saves`` are its trainers' checkpoints since,
+    ``superseded`` the starts of the unplanned re-forms since that had no resume of their own."""
+    if reform.planned:
+        return saves[0].start if saves else reform.start + reform.phases.get(DETECT_PHASE, 0.0)
+    if reform.start >= previous_end:
+        return min([reform.start, *superseded])
+    # Begun before the last world's first step, it waited while that world trained: the first
+    # sign since is its trainers' resume, its start or its end less the phases they reported
+    # (a start before the last world's first step is a spare's wait in the round, not this stall).
+    signs = [*superseded]
+    if resume is not None:
+        reported = sum(resume_phases(resume.attributes).values())
+        signs += [t for t in (resume.start, resume.end - reported) if t >= previous_end]
+    return min(signs, default=previous_end)
 
 
 def step_seconds(spans: list[dict[str, Any]], stalls: list[Stall]) -> float | None:

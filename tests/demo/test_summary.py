@@ -1,6 +1,7 @@
 """The summary a run ends with, on the console and at the top of the HTML report: the nodes
-cordoned for restart storms (a drain's cordon is not one), and a run that gave up waiting
-for its job to settle (``NotSettled``) said before the numbers."""
+cordoned for restart storms (a drain's cordon is not one), a run that gave up waiting for
+its job to settle (``NotSettled``) said before the numbers, and the re-forms' strategies
+counted so they add up to the re-forms."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from regroup.demo.analysis import load_run
 from regroup.demo.report import build_report, summarize, summary_text
-from tests.demo.recorded import progress_rows, write_run
+from regroup.demo.strategy import strategy_counts
+from tests.demo.recorded import progress_rows, spares_run, write_run
 
 GAVE_UP = "gave up after 180s waiting for the job to settle: flaky node-1 not cordoned"
 EVENTS = [
@@ -59,3 +61,17 @@ def test_a_run_that_gave_up_waiting_says_so_before_the_numbers(tmp_path: Path) -
     settled = load_run(drained_run(tmp_path / "settled", EVENTS[:3]))
     assert _row(summary_text([settled], tmp_path / "report.html"), "job settled at every wait") == ["yes"]
     assert '<div class="warning">' not in build_report([settled], tmp_path / "settled.html").read_text()
+
+
+def test_the_strategies_add_up_to_the_reforms_those_not_recorded_counted_too(tmp_path: Path) -> None:
+    """Each re-form's strategy is its trace's, else its plan's; one that recorded neither is
+    counted as not recorded, never guessed."""
+    run = load_run(spares_run(tmp_path / "run"))
+    assert summarize(run).strategies == strategy_counts(run) == {"replace": 1, "migrate": 1, "elastic": 2}
+    root = spares_run(tmp_path / "no-plans")
+    (root / "plans.jsonl").unlink()  # the loss recorded its strategy in its plan only
+    summary = summarize(load_run(root))
+    assert summary.strategies == {"replace": 1, "migrate": 1, "elastic": 1, "not recorded": 1}
+    assert sum(summary.strategies.values()) == summary.reforms == 4
+    text = summary_text([load_run(root)], tmp_path / "report.html")
+    assert _row(text, "re-form strategies") == "replace 1, migrate 1, elastic 1, not recorded 1".split()

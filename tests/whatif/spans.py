@@ -78,10 +78,11 @@ class RecordedJob:
         span.set_attributes(attributes)
         span.end(end_time=_ns(end))
 
-    def join(self, number: int, nodes: tuple[str, ...], at: float, formed: float) -> None:
-        """Each agent's ``regroup.rendezvous.join`` of round ``number``, from ``at`` until it formed."""
+    def join(self, number: int, nodes: tuple[str, ...], at: float, formed: float, first_rank: int = 0) -> None:
+        """Each agent's ``regroup.rendezvous.join`` of round ``number``, from ``at`` until it
+        formed, in the positions from ``first_rank`` on."""
         agents = self.provider.get_tracer("regroup.rendezvous")
-        for rank, node in enumerate(nodes):
+        for rank, node in enumerate(nodes, first_rank):
             attributes = {"regroup.job": "job", "regroup.node": node, "regroup.round": number, "regroup.rank": rank,
                           "regroup.node_count": len(nodes), "regroup.restart_count": 0}  # fmt: skip
             span = agents.start_span("regroup.rendezvous.join", start_time=_ns(at), attributes=attributes)

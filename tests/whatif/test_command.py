@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.whatif.spans import RecordedJob
-from tests.whatif.test_recorded import churned_job
+from tests.whatif.spans import T0, RecordedJob
+from tests.whatif.test_recorded import churned_job, spare_job
 
 
 def whatif(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,6 +47,30 @@ def test_json_has_each_strategy_with_its_settings(tmp_path: Path) -> None:
     assert report["churn"]["loss_every_s"] == 3600.0
     # What was read: one stall per new world, with its cause.
     assert [s["cause"] for s in report["stalls"]] == ["reclaim", "node-lost", "crash", "grow", "node-lost"]
+
+
+def test_on_a_demo_run_folder_each_stall_is_trace_reports_row(tmp_path: Path) -> None:
+    """A ``regroup demo`` run folder holds the rank crash the run injected: the agents'
+    re-form starts there, as trace-report's row does, and lasts what the row says."""
+    run = tmp_path / "run"
+    run.mkdir()
+    spare_job(run / "spans.jsonl")
+    (run / "run.json").write_text(json.dumps({"mode": "regroup", "started_at": T0}))
+    (run / "events.jsonl").write_text(json.dumps({"time": T0 + 60.0, "source": "fault", "reason": "RankCrashed",
+                                                  "message": "n1: rank killed", "nodes": ["n1"]}) + "\n")  # fmt: skip
+    result = whatif(str(run), "--nodes", "4", "--loss-every", "30m", "--json")
+    assert result.returncode == 0, result.stderr
+    grow, crash = json.loads(result.stdout)["stalls"]
+    rows = subprocess.run([sys.executable, "-m", "regroup.cli", "trace-report", str(run), "--json"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60, check=True)  # fmt: skip
+    grow_row, crash_row = json.loads(rows.stdout)
+    assert (crash["cause"], crash["start"], crash["seconds"]) == pytest.approx(
+        (crash_row["cause"], crash_row["start"], crash_row["duration"])
+    )
+    assert crash["seconds"] == pytest.approx(0.7)
+    # The grow's stall ends with its row, and starts at the trainers' save, after the request.
+    assert grow["start"] + grow["seconds"] == pytest.approx(grow_row["end"])
+    assert (grow["seconds"], grow_row["duration"]) == pytest.approx((0.58, 0.6))
 
 
 @pytest.mark.parametrize(

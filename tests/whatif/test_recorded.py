@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from regroup.telemetry import read_spans
+from regroup.trace_report import CRASH, all_reforms
 from regroup.whatif.recorded import (
-    CRASH,
     StallKind,
     checkpoint_seconds,
     stalls_from_spans,
@@ -70,6 +70,61 @@ def test_a_restarted_worker_stalls_from_before_its_span_began(tmp_path: Path) ->
     assert (first.start - T0, first.end - T0, first.mode) == pytest.approx((10.0, 15.0, "restart"))
     # A crash nobody traced: its startup is the only sign of when it began.
     assert (crash.start - T0, crash.seconds, crash.cause) == pytest.approx((25.7, 4.8, CRASH))
+
+
+def spare_job(path: Path) -> Path:
+    """n1-n3 train; a grow at 30 s brings n4 in (round 2) while the spare n5 begins to wait in
+    round 3; n1's rank crashes at 60 s and the survivors re-form round 3 on their own with n5
+    in n1's position (rank 0). n5's resume, in the grow's trace, runs from its wait at
+    30.08 s to its first step at 60.7 s: it began before the grow's own resume."""
+    job = RecordedJob(path)
+    job.join(1, ("n1", "n2", "n3"), -1.0, -0.5)
+    grow = job.reform("grow", 3, 4, 30.0, planned=True, checkpoint=0.05, rendezvous=0.15, resume=0.4)
+    job.checkpoint(grow, 30.02, 0.02, step=150, world=3)
+    job.join(2, ("n1", "n2", "n3", "n4"), 30.1, 30.2)
+    job.join(3, ("n5",), 30.1, 60.25)
+    job.resume(grow, 30.08, 60.7, resumed_from=299, world=4)  # the spare's: the agents' crash re-form
+    job.resume(grow, 30.2, 30.6, resumed_from=150, world=4)  # the grow's own
+    job.join(3, ("n2", "n3", "n4"), 60.2, 60.25, first_rank=1)
+    job.close()
+    return path
+
+
+def test_a_spares_wait_is_not_a_stall_and_each_world_resumes_in_its_order(tmp_path: Path) -> None:
+    """The stalls are the re-forms ``regroup trace-report`` shows, ended at each new world's
+    first step in the order the worlds trained it."""
+    spans = read_spans(spare_job(tmp_path / "spans.jsonl"))
+    grow, crash = stalls_from_spans(spans)
+    # The grow: from the trainers' save to its own world's first step, not the spare's.
+    assert (grow.kind, grow.start - T0, grow.end - T0, grow.resumed_from_step) == pytest.approx(
+        (StallKind.GROW, 30.02, 30.6, 150)
+    )
+    # The crash: from the first survivor's join (n5's 30 s in the round are not the re-form's)
+    # to the new world's first step; from the crash where the run recorded it.
+    assert (crash.cause, crash.kind, crash.start - T0, crash.seconds) == pytest.approx(
+        (CRASH, StallKind.UNPLANNED, 60.2, 0.5)
+    )
+    [at_crash] = [s for s in stalls_from_spans(spans, faults=[T0 + 60.0]) if s.cause == CRASH]
+    assert (at_crash.start - T0, at_crash.seconds) == pytest.approx((60.0, 0.7))
+    # trace-report's rows: the crash's is the stall; the grow's ends where its stall does.
+    rows = all_reforms(spans, [T0 + 60.0])
+    assert [r.cause for r in rows] == ["grow", CRASH]
+    assert [r.duration for r in rows] == pytest.approx([0.6, at_crash.seconds])
+    assert (rows[0].resumed_at, rows[1].start) == pytest.approx((grow.end, at_crash.start))
+
+
+def test_a_reform_begun_before_the_last_worlds_first_step_stalls_from_its_own_resume(tmp_path: Path) -> None:
+    """A restart storm's cordon decided while the world the crash re-formed was resuming: that
+    world trained on until the cordon's own world formed; the time between is training."""
+    job = RecordedJob(tmp_path / "spans.jsonl")
+    lost = job.reform("node-lost", 4, 3, 10.0, rendezvous=0.1, resume=0.4)
+    job.resume(lost, 10.2, 10.8, resumed_from=50, world=3)
+    storm = job.reform("restart-storm", 3, 3, 10.5, rendezvous=0.1, resume=0.2)
+    job.resume(storm, 15.0, 15.8, resumed_from=75, world=3)
+    job.close()
+    first, cordon = stalls_from_spans(read_spans(tmp_path / "spans.jsonl"))
+    assert (first.start - T0, first.seconds) == pytest.approx((10.0, 0.8))
+    assert (cordon.cause, cordon.start - T0, cordon.seconds) == pytest.approx(("restart-storm", 15.0, 0.8))
 
 
 def test_without_trainer_spans_each_reform_is_a_stall(tmp_path: Path) -> None:
