@@ -19,7 +19,17 @@
   open ones and what went wrong on them (the test suite fails a test that leaks either).
 """
 
-from regroup.etcd.client import (
+import os
+
+# gRPC's fork support, on by default, runs its fork handlers only when no other thread is
+# inside gRPC; otherwise it skips them and leaves the child's copy of gRPC half-stopped, and
+# a DataLoader worker forked while the trainer's etcd channel has a call in flight dies of
+# SIGSEGV (grpc/grpc#32992; 44 loaders of 150 at one put a step, none of 300 without it).
+# No process of regroup's uses gRPC in a forked child (workers are started with exec), so it
+# is off before aetcd loads gRPC, unless whoever runs the process said otherwise.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+from regroup.etcd.client import (  # noqa: E402 (after the setting above)
     TRANSIENT_ERRORS,
     Client,
     ClientError,
