@@ -80,7 +80,6 @@ class Reform:
         return cause_label(self.cause, self.reason)
 
 
-
 def _int_attr(attrs: dict[str, Any], key: str, default: int) -> int:
     value = attrs.get(key)
     return default if value is None else int(value)
