@@ -22,7 +22,7 @@ class Writes:
         return len(text)
 
     def flush(self) -> None:
-        pass
+        """Nothing is buffered: each write is kept as it came."""
 
 
 def test_each_event_is_one_write_of_its_whole_line() -> None:
