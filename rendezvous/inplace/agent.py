@@ -398,6 +398,7 @@ class InPlaceAgent(SigtermNotice, LocalElasticAgent):
             # Left out and not told to stop: its workers left their world (some exited 0 through
             # LeavingJob, which is not the job's success). Fresh ones wait with the agent, which
             # asks to be let back in.
+            self._let_leaving_workers_end()
             self._restart_workers(worker_group)
             return
         if leaving:

@@ -21,7 +21,9 @@ same process: no re-import, no new CUDA context, its model still in memory::
 
 When this node is left out of the next world (the controller's expected membership
 excludes it), ``rejoin`` raises ``LeavingJob``, a ``SystemExit`` with code 0: the script
-ends (its agent, which leaves the job at once, would stop it anyway). Catch it to clean up.
+ends (its agent, which leaves the job at once, would stop it anyway). Catch it to clean up:
+the agent gives a worker that reported "leaving" ``LEAVING_EXIT_S`` (10 s) to end on its own
+before it stops it.
 
 A collective blocked on a dead or hung peer does not hang the survivor: once the re-form
 is announced and the worker has not left within ``abort_grace``, a watcher thread severs
@@ -334,9 +336,9 @@ class ElasticWorld:
             return
         if self.membership is not None and world.seq <= self.membership.seq:
             return  # not newer than the world this worker runs in (cannot happen: the agent leaves)
-        self._report("leaving", self.round)
         log.info("this node leaves the job; leaving the script", round=self.round, local_rank=self.local_rank,
                  reason=world.reason)
+        self._report("leaving", self.round)
         raise LeavingJob(f"this node leaves the job ({world.reason or 'left out of the next round'}); exit")
 
     def _expired(self, what: str, timeout: timedelta, world: NodeWorld | None) -> None:

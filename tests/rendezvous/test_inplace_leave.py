@@ -66,7 +66,7 @@ class OptInJob(InPlaceJob):
         the all-reduce), once there are ``steps`` of them; else []."""
         rows = [
             r for r in self.steps(node)
-            if r["world_size"] == world_size and r["round"] > after_round and r["sum"] == world_size
+            if r.get("world_size") == world_size and r["round"] > after_round and r["sum"] == world_size
         ]  # fmt: skip
         return rows if len(rows) >= steps else []
 
@@ -122,6 +122,11 @@ def test_a_node_left_out_hands_over_at_once_stays_and_is_let_back_in(job: OptInJ
     assert job.events("c", "workers left their world; leaving the job"), log_c[-3000:]
     # rejoin() told the script that its node leaves the job (LeavingJob, an exit with 0).
     assert job.events("c", "this node leaves the job; leaving the script"), log_c[-3000:]
+    # Its script's clean-up after LeavingJob ran to the end: the agent let the workers end
+    # on their own before it stopped them.
+    wait_for(lambda: [r for r in job.steps("c") if r.get("left")], 30, "c's script cleaning up")
+    assert {r["pid"] for r in job.steps("c") if r.get("left")} == set(pids["c"])
+    wait_for(lambda: job.events("c", "leaving workers ended on their own"), 30, "c's agent seeing its workers end")
     # The survivors re-formed in place: same processes, new world, nothing expired.
     assert {n: job.workers(n) for n in ("a", "b")} == {n: pids[n] for n in ("a", "b")}
     for node in ("a", "b"):
