@@ -49,6 +49,20 @@ class NodeInfo:
         return self.gpus > 0 or any(k.startswith("nvidia.com/gpu") for k in self.labels)
 
 
+MEMBER_ANNOTATION = "regroup.dev/member"
+"""What one member of the job is: ``node`` (the default: the agent's key is its node's name)
+or ``pod`` (several pods of the job may share a node; each agent's key is its pod's name,
+``--rdzv-conf node_name={pod}``)."""
+
+
+def member_key(pod_name: str, node: str | None, annotations: Mapping[str, str]) -> str | None:
+    """The key the job's member for a pod has, and the controller files the pod under: its
+    node's name, or its own name in a job whose members are pods; None while unscheduled."""
+    if node is None:
+        return None
+    return pod_name if annotations.get(MEMBER_ANNOTATION) == "pod" else node
+
+
 @dataclass(frozen=True)
 class PodDisruption:
     """The pod's ``DisruptionTarget`` condition with status True: Kubernetes is about to
@@ -104,7 +118,9 @@ class PodInfo:
     uid: str
     job: str
     node: str | None
-    """``spec.nodeName``; None while unscheduled."""
+    """Where the job's member for this pod is, as the controller keys members: ``spec.nodeName``,
+    or the pod's own name in a job whose members are pods (``regroup.dev/member: pod``,
+    ``member_key``); None while unscheduled."""
     annotations: Mapping[str, str] = field(default_factory=dict)
     phase: str = "Running"
     deleting: bool = False
@@ -131,6 +147,13 @@ class PodInfo:
     """Set while the pod carries ``DisruptionTarget=True``."""
     ip: str = ""
     """``status.podIP``: the address a failed collective names for this pod's ranks."""
+    host: str | None = None
+    """``spec.nodeName`` where it differs from ``node`` (a member per pod); None otherwise."""
+
+    @property
+    def host_node(self) -> str | None:
+        """The Kubernetes node the pod runs on (None while unscheduled)."""
+        return self.host or self.node
 
     @functools.cached_property
     def ref(self) -> ObjectRef:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from regroup.controller.cluster import PodInfo
+from regroup.controller.cluster import MEMBER_ANNOTATION, PodInfo
 from regroup.controller.settings import JobDefaults
 
 PREFIX = "regroup.dev/"
@@ -25,8 +25,11 @@ JOIN_WINDOW = PREFIX + "join-window"
 RESTART_STORM = PREFIX + "restart-storm"
 RECLAIM_TAINTS = PREFIX + "reclaim-taints"
 SPARE_NODES = PREFIX + "spare-nodes"
+MEMBER = MEMBER_ANNOTATION
+MEMBER_KINDS = ("node", "pod")
 ANNOTATIONS = (
-    MIN_NODES, MAX_NODES, RDZV_ENDPOINT, CHECKPOINT_TIMEOUT, JOIN_WINDOW, RESTART_STORM, RECLAIM_TAINTS, SPARE_NODES
+    MIN_NODES, MAX_NODES, RDZV_ENDPOINT, CHECKPOINT_TIMEOUT, JOIN_WINDOW, RESTART_STORM, RECLAIM_TAINTS, SPARE_NODES,
+    MEMBER,
 )
 
 ROLE_LABEL = "regroup.dev/role"
@@ -49,6 +52,8 @@ class JobConfig:
     """Spare nodes the job wants waiting while it trains at max. It sets what the status,
     metrics and alerts compare the spares with, not the policy: a waiting node replaces a
     leaving one whether or not spares were asked for."""
+    member: str = "node"
+    """What one member of the job is (``regroup.dev/member``): ``node`` or ``pod``."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,9 @@ def _parse_items(items: tuple[tuple[str, str], ...], defaults: JobDefaults) -> J
         else:
             if spare_nodes < 0:
                 problems.append((SPARE_NODES, f"must be at least 0, got {spare_nodes}"))
+    member = annotations.get(MEMBER, "node")
+    if member not in MEMBER_KINDS:
+        problems.append((MEMBER, f"expected node or pod, got {member!r}"))
     if problems:
         return tuple(problems)
     assert min_nodes is not None and max_nodes is not None
@@ -201,6 +209,7 @@ def _parse_items(items: tuple[tuple[str, str], ...], defaults: JobDefaults) -> J
         storm_window=storm_window,
         reclaim_taints=taints,
         spare_nodes=spare_nodes,
+        member=member,
     )
 
 

@@ -131,19 +131,20 @@ class ClusterModel:
     # --- nodes -----------------------------------------------------------------------
 
     def node_changed(self, node: NodeInfo) -> None:
-        if self.fleet.node_changed(node, self._clock()):
-            self._node_touched(node.name)
+        for key in self.fleet.node_changed(node, self._clock()):
+            self._node_touched(key)
 
     def node_deleted(self, name: str) -> None:
         if name not in self.fleet.nodes and self.nodes_synced:
             return
-        self.fleet.node_deleted(name, self._clock())
-        self._node_touched(name)
+        for key in self.fleet.node_deleted(name, self._clock()):
+            self._node_touched(key)
 
     def nodes_listed(self, nodes: list[NodeInfo]) -> None:
-        """A full node list: anything not in it is gone."""
+        """A full node list: anything not in it is gone (a guest goes with its node)."""
         names = {n.name for n in nodes}
-        for name in [n for n in self.fleet.nodes if n not in names]:
+        hosts = self.fleet.hosts
+        for name in [n for n in self.fleet.nodes if n not in names and n not in hosts]:
             self.node_deleted(name)
         for node in nodes:
             self.node_changed(node)
@@ -162,8 +163,9 @@ class ClusterModel:
         old = state.pods.get(pod.name)
         if old == pod:
             return
-        self.fleet.pod_placed(key, job_id, old.node if old is not None else None, pod.node)
         now = self._clock()
+        for guest in self.fleet.pod_placed(key, job_id, old.node if old is not None else None, pod.node, pod.host, now):
+            self._node_touched(guest)
         in_storm = pod.node is not None and state.storming(pod.node, now, unresolved=False)
         if state.put_pod(pod, old, now):
             refresh(state, self.fleet, state.nodes_naming(pod.name))

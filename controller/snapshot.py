@@ -38,6 +38,8 @@ class FleetView(NamedTuple):
     """Nodes running at least one regroup pod."""
     cordoned: AbstractSet[str] = frozenset()
     """Nodes carrying the restart-storm taint."""
+    hosts: Mapping[str, str] = {}
+    """A pod-named member key -> the node its pod runs on (``Fleet.hosts``)."""
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def build_snapshot(
         exclusions=state.exclusions,
         tombstone=state.tombstone,
         tombstone_revision=state.tombstone_revision,
-        fleet=FleetView(fleet.hosting_nodes, fleet.cordoned),
+        fleet=FleetView(fleet.hosting_nodes, fleet.cordoned, fleet.hosts),
         identity=identity,
         pods_by_name=state.pods,
         resolved=state.resolved,

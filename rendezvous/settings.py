@@ -88,13 +88,15 @@ class Identity:
         cls, env: Mapping[str, str], local_addr: str | None = None, local_world_size: int = 0, node_name: str = ""
     ) -> Identity:
         """``node_name`` (``--rdzv-conf node_name=...``) overrides ``NODE_NAME``; it may say
-        ``{hostname}`` and ``{pid}``, so agents sharing a host get distinct names."""
+        ``{hostname}``, ``{pid}`` and ``{pod}`` (``POD_NAME``), so agents sharing a host get
+        distinct names: ``{pod}`` in a job whose members are pods (``regroup.dev/member: pod``)."""
         hostname = socket.gethostname()
-        node = node_name.format(hostname=hostname, pid=os.getpid()) if node_name else ""
+        # Outside Kubernetes, agents on one host are told apart by their process.
+        pod = env.get("POD_NAME") or f"{hostname}:{os.getpid()}"
+        node = node_name.format(hostname=hostname, pid=os.getpid(), pod=pod) if node_name else ""
         return cls(
             node=node or env.get("NODE_NAME") or hostname,
-            # Outside Kubernetes, agents on one host are told apart by their process.
-            pod=env.get("POD_NAME") or f"{hostname}:{os.getpid()}",
+            pod=pod,
             namespace=env.get("POD_NAMESPACE") or DEFAULT_NAMESPACE,
             host=local_addr or socket.getfqdn(),
             local_world_size=local_world_size,
@@ -301,7 +303,7 @@ def parse_settings(
             env, local_addr=local_addr, local_world_size=local_world_size, node_name=str(conf.get("node_name") or "")
         )
     except (KeyError, IndexError, ValueError) as exc:
-        raise SettingsError(f"rdzv-conf node_name: only {{hostname}} and {{pid}} may be filled in ({exc})") from None
+        raise SettingsError(f"rdzv-conf node_name: only {{hostname}}, {{pid}} and {{pod}} may be filled in ({exc})") from None
     prefix = str(conf.get("key_prefix") or DEFAULT_PREFIX)
     try:
         finished_root(prefix)

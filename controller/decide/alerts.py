@@ -25,7 +25,7 @@ def rendezvous_on_gpu(s: JobSnapshot, pods: Iterable[PodInfo], out: Out) -> bool
                     pod.ref,
                     "Warning",
                     "RendezvousOnGPUNode",
-                    f"rendezvous pod {pod.name} runs on GPU node {pod.node}: a reclaim of that node takes the "
+                    f"rendezvous pod {pod.name} runs on GPU node {pod.host_node}: a reclaim of that node takes the "
                     "job's etcd with it; pin it to CPU nodes",
                 )
             )

@@ -399,12 +399,14 @@ def restart_storms(
             continue
         health.storm.add(node)
         out.again_in(times[first] + window - now)
-        why = f"{end - first} rank restarts within {config.storm_window} (limit {k}) on node {node}"
-        if node not in cordoned and node not in added:
+        # A pod-named member's node is the one its pod runs on: that one is cordoned.
+        host = s.fleet.hosts.get(node, node)
+        why = f"{end - first} rank restarts within {config.storm_window} (limit {k}) on node {host}"
+        if host not in cordoned and host not in added:
             if len(cordoned) + len(added) >= budget:
                 out.actions.append(
                     PostEvent(
-                        ObjectRef("Node", node),
+                        ObjectRef("Node", host),
                         "Warning",
                         "CordonBudgetExhausted",
                         f"{why}; not cordoned: {len(cordoned) + len(added)} nodes already cordoned, budget {budget}",
@@ -412,9 +414,9 @@ def restart_storms(
                 )
                 health.storm.discard(node)
                 continue
-            added.add(node)
-            out.actions.append(Cordon(node, why))
-            out.actions.append(PostEvent(ObjectRef("Node", node), "Warning", "RestartStorm", f"cordoned: {why}"))
+            added.add(host)
+            out.actions.append(Cordon(host, why))
+            out.actions.append(PostEvent(ObjectRef("Node", host), "Warning", "RestartStorm", f"cordoned: {why}"))
         for pod in pods_on.get(node, ()):
             if not pod.deleting:
                 out.actions.append(DeletePod(pod.namespace, pod.name, f"restart storm: {why}"))

@@ -12,6 +12,7 @@ from regroup.controller.cluster import (
     PodDisruption,
     PodInfo,
     Taint,
+    member_key,
     termination_failed,
 )
 from regroup.controller.signals import POD_DISRUPTION
@@ -173,13 +174,16 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
     labels = dict(meta.get("labels") or {})
     containers = container_restarts(status)
     deleting = bool(meta.get("deletionTimestamp"))
+    annotations = dict(meta.get("annotations") or {})
+    node = spec.get("nodeName") or None
+    key = member_key(meta.get("name", ""), node, annotations)
     return PodInfo(
         namespace=meta.get("namespace", "default"),
         name=meta.get("name", ""),
         uid=meta.get("uid", ""),
         job=labels.get(JOB_LABEL, ""),
-        node=spec.get("nodeName") or None,
-        annotations=dict(meta.get("annotations") or {}),
+        node=key,
+        annotations=annotations,
         phase=status.get("phase", "Pending"),
         deleting=deleting,
         deletion_deadline=parse_time(meta.get("deletionTimestamp")) if deleting else None,
@@ -191,4 +195,5 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         labels=labels,
         disruption=pod_disruption(meta, spec, status),
         ip=status.get("podIP") or "",
+        host=node if key != node else None,
     )

@@ -70,6 +70,11 @@ class Bed:
     launcher: str = "regroup-run"
     """What each container runs: ``regroup-run --standby``, or ``torchrun`` (torch's own
     agent: every re-form restarts the workers, which load the newest checkpoint)."""
+    max_nodes: int = 3
+    """The job's ``--nnodes`` maximum (and ``regroup.dev/max-nodes``)."""
+    member: str = "node"
+    """What one member of the job is (``regroup.dev/member``): ``node``, or ``pod`` (each agent
+    keyed by its pod's name, ``--rdzv-conf node_name={pod}``; logs are then per pod)."""
 
     def __post_init__(self) -> None:
         sections = {
@@ -87,14 +92,18 @@ class Bed:
 
     # -- the workload ------------------------------------------------------------------------
 
-    def add(self, node: str, *, restart_policy: str = "Always", min_nodes: int = 1, max_nodes: int = 3) -> str:
-        """A node and the job's worker pod bound to it (the kubelet starts its agent)."""
+    def add(
+        self, node: str, *, pod: str = "", restart_policy: str = "Always", min_nodes: int = 1, max_nodes: int = 0
+    ) -> str:
+        """A node and a worker pod of the job bound to it (``pod``: its name, default
+        ``<job>-<node>``); the kubelet starts its agent."""
         if self.api.get("Node", node) is None:
             self.api.create(objects.node(node))
-        name = f"{JOB}-{node}"
+        name = pod or f"{JOB}-{node}"
         notes = {
-            "regroup.dev/min-nodes": str(min_nodes), "regroup.dev/max-nodes": str(max_nodes),
+            "regroup.dev/min-nodes": str(min_nodes), "regroup.dev/max-nodes": str(max_nodes or self.max_nodes),
             "regroup.dev/checkpoint-timeout": "20s", "regroup.dev/join-window": "1s",
+            "regroup.dev/member": self.member,
         }  # fmt: skip
         pod = objects.pod(NS, name, job=JOB, node=node, annotations=notes, phase="Pending",
                           termination_grace_period=int(self.term_grace))  # fmt: skip
@@ -110,15 +119,18 @@ class Bed:
         argv = [
             sys.executable, "-m", *agent,
             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.etcd.endpoint}", f"--rdzv-id={JOB}",
-            "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
+            f"--nnodes=1:{self.max_nodes}", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.1",
             f"--rdzv-conf={self.rdzv_conf()}",
             "--local-addr=127.0.0.1", "-m", "regroup.trainer", "--config", str(self.config),
         ]  # fmt: skip
         env = {**self.env, "POD_NAME": pod["metadata"]["name"], "POD_NAMESPACE": NS, "NODE_NAME": node}
-        return ContainerCommand(argv, env, self.root / "logs" / f"{node}.log")
+        key = pod["metadata"]["name"] if self.member == "pod" else node
+        return ContainerCommand(argv, env, self.root / "logs" / f"{key}.log")
 
     def rdzv_conf(self) -> str:
         conf = {"lease_ttl": f"{self.lease_ttl:g}", "last_call_timeout": "1", "join_timeout": "300"}
+        if self.member == "pod":
+            conf["node_name"] = "{pod}"
         if self.auth is not None:
             conf.update(self.auth.rdzv_conf(job_user(self.keys)))
         return ",".join(f"{k}={v}" for k, v in conf.items())
@@ -179,10 +191,11 @@ async def running(
     env: dict[str, str],
     nodes: list[str],
     restart_policy: str = "Always",
+    pods: dict[str, str] | None = None,
     **bed: Any,
 ) -> AsyncIterator[Bed]:
     """The cluster with the controller running and one worker pod per node (``restart_policy``
-    theirs); ends every process and task it started. On an ``AuthEtcd`` the controller holds
+    theirs), or the ``pods`` given (pod name -> its node); ends every process and task it started. On an ``AuthEtcd`` the controller holds
     its own certificate and makes the job's identity (``--etcd-job-identities``), the agents
     hold the job's, and ``etcd_client`` must be a client of the controller's identity."""
     api.graceful_pod_deletion = True
@@ -193,8 +206,8 @@ async def running(
         testbed.spans = spans
         async with Kubelet(api, nodes, testbed.launch, restart_backoff=timedelta(seconds=0.5)) as kubelet:
             testbed.kubelet = kubelet
-            for node in nodes:
-                testbed.add(node, restart_policy=restart_policy)
+            for pod, node in (pods or {f"{JOB}-{n}": n for n in nodes}).items():
+                testbed.add(node, pod=pod, restart_policy=restart_policy)
             yield testbed
 
 
