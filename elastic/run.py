@@ -321,7 +321,7 @@ class Run(Epochs, Resuming, StepBoundary, ProgressReports, CheckpointRequests, I
         try:
             self.snapshots = Snapshots(
                 self.model, self.optimizer, runtime.rank, runtime.world_size, self.info.place, every,
-                self.world.timeout, self.info.ranks_on_node, self.cfg.snapshot.max_every,
+                self.world.timeout, self.info.ranks_on_node, self.cfg.snapshot.max_every, self.state.step,
             )  # fmt: skip
         except SnapshotMemoryError as exc:
             if self.state.step == 0:

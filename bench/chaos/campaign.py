@@ -28,12 +28,15 @@ from bench.chaos.invariants import (
     read_samples,
     recovery_point,
     resume_findings,
+    slow_recovery_finding,
+    steps_lost_finding,
 )
-from bench.chaos.job import GLOBAL_BATCH, ChaosJob, JobShape, Shutdown
+from bench.chaos.job import GLOBAL_BATCH, TRAINER, ChaosJob, JobShape, Shutdown
 from bench.chaos.observe import Finding
 from bench.chaos.plan import CONTROLLER_KILL, KINDS, Fault, draw_plan
 from regroup.demo.nodes import RunLayout
 from regroup.elastic.checkpoint.folders import list_steps
+from regroup.elastic.settings import SnapshotConfig
 from regroup.records import ReformPhase
 
 log = structlog.get_logger("bench.chaos")
@@ -228,6 +231,7 @@ def _check(job: ChaosJob, result: CampaignResult) -> None:
     result.last_step = history.last_step
     findings += history.findings
     _file_steps_lost(result, history)
+    _check_promises(result)
     end = result.ended_at
     findings += load_committed(layout.checkpoints, end)
     shutdown = result.shutdown
@@ -259,3 +263,16 @@ def _file_steps_lost(result: CampaignResult, history: History) -> None:
         fault = _window(result, started)
         if fault is not None:
             fault.steps_lost += steps
+
+
+def _check_promises(result: CampaignResult) -> None:
+    """Invariants 6 and 7, fault by fault: the steps it lost and how soon it trained again."""
+    max_every = int(TRAINER.get("snapshot", {}).get("max_every", SnapshotConfig().max_every))
+    for played in result.faults:
+        fault = played.fault
+        at = played.injection.at if played.injection is not None else played.cycle_start
+        found = (
+            steps_lost_finding(at, fault.kind, takes_a_node(fault), played.steps_lost, max_every),
+            slow_recovery_finding(at, fault.kind, played.recovery_s),
+        )
+        played.findings += [f for f in found if f is not None]

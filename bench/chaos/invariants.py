@@ -7,6 +7,9 @@
 4. In the kept history (a resumed world's steps replace the ones it redoes) no sample
    id is trained twice and none is skipped.
 5. No process and no member or join key outlives the job.
+6. Steps lost on one fault stay within the promise: at most ``snapshot.max_every`` on a
+   fault that takes a member without notice, none on one that takes no member.
+7. Every single fault trains again within ``RECOVERY_PROMISE``.
 
 Each check returns ``Finding``s stamped with the time they concern; the campaign files
 each under the fault whose window holds that time. Pure functions over records and
@@ -33,13 +36,36 @@ on two loaded cores), after a dead agent's lease ran out (5 s), a probation (5 s
 rendezvous; about 20 s. Three times that leaves room for a loaded machine and still
 flags a job that hangs (a dead collective would hang for gloo's 30 minutes)."""
 
+RECOVERY_PROMISE = 10.0
+"""Seconds from one fault to training again that the project promises (invariant 7); the
+looser ``RECOVERY_BOUND`` tells a slow recovery from a hung job."""
+
 INVARIANTS: dict[int, str] = {
     1: "trains again at a legal size in time",
     2: "no committed checkpoint lost or corrupt",
     3: "no partial checkpoint loaded",
     4: "no sample trained twice or skipped",
     5: "no process or etcd key leaked",
+    6: "steps lost within the promise",
+    7: f"trains again within {RECOVERY_PROMISE:.0f} s",
 }
+
+
+def steps_lost_finding(at: float, kind: str, takes_a_member: bool, lost: int, max_every: int) -> Finding | None:
+    """Invariant 6 for one fault that lost ``lost`` steps: ``takes_a_member`` without notice
+    may cost ``max_every``; any other fault nothing."""
+    bound = max_every if takes_a_member else 0
+    if lost <= bound:
+        return None
+    return Finding(at, 6, f"{kind} lost {lost} steps, more than {bound} (snapshot.max_every {max_every})")
+
+
+def slow_recovery_finding(at: float, kind: str, recovery_s: float | None) -> Finding | None:
+    """Invariant 7 for one fault that trained again after ``recovery_s`` (None: not within
+    ``RECOVERY_BOUND``, which invariant 1 reports)."""
+    if recovery_s is None or recovery_s <= RECOVERY_PROMISE:
+        return None
+    return Finding(at, 7, f"{kind} trained again after {recovery_s:.2f} s, more than {RECOVERY_PROMISE:.0f} s")
 
 
 # ---------------------------------------------------------------- 1: recovery

@@ -109,13 +109,16 @@ class Snapshots:
         timeout: Any,
         ranks_on_node: int = 1,
         max_every: int = 1,
+        start_at: int = 0,
     ) -> None:
         """Collective (every rank of the world, same order of groups): creates the exchange
         group, learns every rank's place (failure domain, node) and checks that host memory
         holds the snapshots and a re-form's peak on every node; if not, every rank raises
         ``SnapshotMemoryError``.
         ``every``: steps between snapshots, None: auto; ``max_every``: the most steps a node
-        lost without notice may cost (``snapshot.max_every``)."""
+        lost without notice may cost (``snapshot.max_every``); ``start_at``: the step the
+        world restored its state at (0: it starts from nothing), snapshotted at once
+        (``_start``)."""
         if max_every < 1 or (every is not None and not 1 <= every <= max_every):
             raise ValueError(f"snapshots every {every} steps cannot keep a loss within max_every={max_every}")
         if any(getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim != 1 for p in model.parameters()):
@@ -141,11 +144,12 @@ class Snapshots:
         except SnapshotMemoryError as exc:
             refusal = str(exc)
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, (tuple(place), refusal), group=self.group)
-        refused = next((f"rank {r}: {why}" for r, (_, why) in enumerate(gathered) if why), None)
+        has_state = bool(optimizer.state)
+        dist.all_gather_object(gathered, (tuple(place), refusal, has_state), group=self.group)
+        refused = next((f"rank {r}: {why}" for r, (_, why, _) in enumerate(gathered) if why), None)
         if refused:
             raise SnapshotMemoryError(refused)
-        places = [tuple(p) for p, _ in gathered]
+        places = [tuple(p) for p, _, _ in gathered]
         self.buddy = buddies(places)
         self.sender = self.buddy.index(rank)
         self.device = next(model.parameters()).device
@@ -177,6 +181,23 @@ class Snapshots:
         self._reported_interval = False
         if places[rank] == places[self.buddy[rank]] and world_size > 1:
             log.warning("snapshot buddy shares this node: a node loss falls back to storage", buddy=self.buddy[rank])
+        if start_at > 0 and all(state for _, _, state in gathered):
+            self._start(start_at)
+
+    def _start(self, step: int) -> None:
+        """The world's first snapshot, of the state it restored at ``step``, taken now on
+        every rank (the constructor is collective): the buffers are allocated and the copy
+        and exchange run in the background, beside the first step's forward and backward
+        (``wait_copied`` holds its optimizer step until the copy is done). The next step
+        counts only once every buddy holds it (``before_step_counts``), so a node lost in a
+        world's first steps costs at most ``max_every`` steps as well: without it the state
+        the world resumed from was held nowhere but in the ranks, and such a loss went back
+        to the last committed checkpoint."""
+        self._plan()
+        self._allocating = self._executor.submit(self._allocate)
+        self.ready = True
+        self.take(step)
+        self._active = True
 
     # --- the loop's calls ---------------------------------------------------------------
 
