@@ -125,8 +125,8 @@ class SnapshotConfig:
     step time (measured: steps beside a snapshot against steps without), less often when it
     would cost more, never more than ``max_every`` steps apart; 0: no snapshots."""
     max_every: int = 1
-    """The most steps a node lost without notice may cost (from a world's first snapshot
-    on): no step counts as done until a snapshot at most this many steps older is held by
+    """The most steps a node lost without notice may cost (a world that restored its
+    state snapshots it at once; a job's first world from its first snapshot on): no step counts as done until a snapshot at most this many steps older is held by
     every rank's buddy. ``every: auto`` never spaces snapshots wider; an explicit ``every``
     larger than this is an error. Raising it lets ``auto`` take snapshots less often where
     they cost more than 2% of a step, for up to this many lost steps."""

@@ -198,6 +198,8 @@ class Snapshots:
         self.ready = True
         self.take(step)
         self._active = True
+        if self.rank == 0:
+            log.info("snapshot of the restored state", step=step, world_size=self.world_size)
 
     # --- the loop's calls ---------------------------------------------------------------
 

@@ -213,6 +213,49 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
         job.close()
 
 
+def test_a_node_lost_in_a_re_formed_worlds_first_step_costs_at_most_one_step(
+    etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    """A world that restored its state snapshots that state at once. Four nodes; one is
+    SIGKILLed, the three re-form from memory; a second is SIGKILLed as soon as the three
+    have counted their first step. The two left rebuild from the three's first snapshot
+    (of the state they resumed from) and lose at most one step, where the first snapshot
+    used to wait for the host buffers and a boundary, and such a loss went back to the last
+    checkpoint (here: none since the start)."""
+    rng = random.Random(4111)
+    first, kill_at = rng.choice(NODES), rng.randint(6, 10)
+    trainer = {
+        **COMMON,
+        "snapshot": {"every": 1},
+        "checkpoint": {"dir": str(tmp_path / "job" / "ckpt"), "every_steps": 0},
+        "data": {"sample_log": str(tmp_path / "job" / "samples")},
+    }
+    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
+    try:
+        job.expect(1, NODES, "start")
+        for node in NODES:
+            job.start(node, nnodes=f"1:{len(NODES)}")
+        job.await_progress(f"4 ranks past step {kill_at}", lambda p: p.world_size == 4 and p.step >= kill_at)
+        job.kill_node(first)
+        shrunk = job.await_progress(
+            "3 ranks counting a step", lambda p: p.world_size == 3 and p.step > p.resumed_from_step, timeout=120
+        )
+        left = [n for n in NODES if n != first]
+        second = rng.choice(left)
+        job.kill_node(second)
+        fallen = job.await_progress(
+            "training at 2 ranks", lambda p: p.world_size == 2 and p.step > p.resumed_from_step, timeout=120
+        )
+        assert "reshard" in fallen.resume_phases and "load" not in fallen.resume_phases, fallen.resume_phases
+        assert fallen.resumed_from_step >= shrunk.resumed_from_step
+        lost_steps = _lost_steps(job, fallen, worlds=(4, 3))
+        assert lost_steps <= 1, f"{lost_steps} steps lost: resumed from {fallen.resumed_from_step}"
+        restored = [e for n in left for e in job.events(n, "snapshot of the restored state")]
+        assert {e["step"] for e in restored if e["world_size"] == 3} == {shrunk.resumed_from_step}, restored
+    finally:
+        job.close()
+
+
 @pytest.mark.parametrize(
     "snapshot",
     [{}, {"max_every": 3}],

@@ -21,7 +21,9 @@ import pytest
 
 import regroup.rendezvous.inplace.agent as agent_module
 import regroup.rendezvous.inplace.world as world_module
+from regroup.rendezvous.inplace import agent_notice
 from regroup.rendezvous.inplace.agent import InPlaceAgent, _left_since, _started
+from regroup.rendezvous.inplace.agent_notice import LEAVING_EXIT_S
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
     WAIT_EXPIRED,
@@ -60,6 +62,7 @@ def world_log(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 def agent_log(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(agent_module, "log", recorder)
+    monkeypatch.setattr(agent_notice, "log", recorder)
     return recorder
 
 
@@ -226,16 +229,23 @@ class _LeavingAgent(_Agent):
     _reform_in_place = InPlaceAgent._reform_in_place
     _announce = InPlaceAgent._announce
     _write = InPlaceAgent._write
+    _let_leaving_workers_end = InPlaceAgent._let_leaving_workers_end
 
     def __init__(self, channel: Path, pids: dict[int, int], taken_back: bool) -> None:
         super().__init__(channel, pids)
         self.calls: list[str] = []
+        self._pcontext.wait = self._workers_end
         self._seq = 0
         self.in_place_reforms = 0
         self.taken_back = taken_back
         self._worker_group.spec.rdzv_handler = SimpleNamespace(
             node="c", round=4, left_out=lambda: True, abandon_round=lambda: self.calls.append("abandon_round")
         )
+
+    def _workers_end(self, timeout: float, period: float) -> object:
+        """The workers, all "leaving", end on their own within ``timeout``."""
+        self.calls.append(f"wait_for_workers(at most {timeout:g}s)")
+        return SimpleNamespace(is_failed=lambda: False)
 
     def _rendezvous(self, worker_group: Any, publish: bool = True, in_world: bool = False) -> None:
         self.calls.append(f"rendezvous(publish={publish}, in_world={in_world})")
@@ -258,7 +268,12 @@ def test_a_leaving_nodes_agent_joins_once_its_workers_left(
     if not taken_back:
         # Left out, not told to stop: its workers (which left their world, some perhaps with
         # exit 0) are replaced by fresh ones, and the agent asks to be let back in.
-        assert agent.calls == ["rendezvous(publish=False, in_world=True)", "restart_workers"]
+        # Its workers all reported "leaving": they end on their own (a script's clean-up
+        # after LeavingJob runs to its end) before the agent stops and replaces them.
+        assert agent.calls == [
+            "rendezvous(publish=False, in_world=True)", f"wait_for_workers(at most {LEAVING_EXIT_S:g}s)", "restart_workers"
+        ]  # fmt: skip
+        assert agent_log.named("leaving workers ended on their own")
     else:
         # The controller took the node back after its workers were told to go: they are not
         # handed the round (some may have exited 0), they are restarted, as a membership change.
