@@ -331,8 +331,13 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
     if expected is not None:
         # The controller's order is kept as given (it orders the nodes as ``round_order`` does).
         missing = [n for n in expected.nodes if n not in joined]
-        if missing:
-            return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(missing)}")
+        # A member named that is warming up (its workers restarting since it was named) is
+        # not waited for: the others form without it, and it joins a later round once warm.
+        warming = {n for n in missing if (m := view.members.get(n)) is not None and m.warming_since > 0}
+        nodes = [n for n in expected.nodes if n not in warming]
+        still = [n for n in missing if n not in warming]
+        if still or len(nodes) < bounds.min_nodes:
+            return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(still or missing)}")
         by_node = {j.node: j for j in joiners}
         wanted = set(expected.nodes)
         # Members of the last round that the controller leaves out are told to go. A waiting
@@ -343,8 +348,10 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
         if state is not None:
             left_out += [a for a, n in zip(state.agents, state.nodes) if n not in wanted and a in view.alive()]
         reason = f"expected membership g{expected.generation}" + (f" ({expected.reason})" if expected.reason else "")
+        if warming:
+            reason += f", without {_names(sorted(warming))} (warming up)"
         extra = {"expected_generation": expected.generation, "excluded": sorted(set(left_out))}
-        return _Readiness([by_node[n] for n in expected.nodes], reason, extra=extra)
+        return _Readiness([by_node[n] for n in nodes], reason, extra=extra)
     if bench:
         # Nodes on probation neither count as joined nor hold the round up, nor keep their
         # position: a newcomer may take it.

@@ -171,11 +171,15 @@ class InPlaceJob:
     def await_joiner(self, node: str, after: float, timeout: float = 120) -> dict[str, Any]:
         """``node``'s member record once an agent registered after the unix time ``after``
         asks to join: a new agent, or the one left out of a round (it stays, as a new agent
-        of its node, and asks to be let back in). Pass the ``joined_at`` of the agent before."""
+        of its node, and asks to be let back in). Pass the ``joined_at`` of the agent before.
+        Once its workers are up (not warming): a controller names only such a joiner, and a
+        round does not wait for a member warming up."""
 
         def asking() -> dict[str, Any] | None:
             member = self.members().get(node)
-            return member if member is not None and member["joined_at"] > after and member["round"] == 0 else None
+            if member is None or member["joined_at"] <= after or member["round"] != 0:
+                return None
+            return member if not member.get("warming_since") else None
 
         return wait_for(asking, timeout, f"an agent of {node} asking to join")  # type: ignore[no-any-return]
 

@@ -115,6 +115,27 @@ def test_expected_membership_closes_exactly_those_nodes_and_excludes_the_rest() 
     assert isinstance(missing, Wait) and "c" in missing.reason
 
 
+def test_expected_membership_does_not_wait_for_a_member_warming_up() -> None:
+    """The controller named c to join; c's workers then failed and restart (its record says
+    it is warming up): the round forms with the others at once, without telling c to go, and
+    c joins a later one once warm. A named member that is neither joined nor warming is
+    waited for, and so is a warming one the round cannot do without (the minimum)."""
+    expected = ExpectedMembership(generation=5, nodes=["a", "b", "c"], reason="grow")
+    state = formed(["a", "b", "c"])
+    warming = dataclasses.replace(member("c"), warming_since=9.0)
+    v = dataclasses.replace(view(["a", "b"], [join("a", 2), join("b", 2)], state=state, expected=expected),
+                            members={"a": member("a"), "b": member("b"), "c": warming})  # fmt: skip
+    closed = plan_close(v, now=10.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound), closed
+    assert closed.state.nodes == ["a", "b"] and closed.state.excluded == []
+    assert closed.state.expected_generation == 5 and "without c (warming up)" in closed.state.reason
+    not_warming = view(["a", "b", "c"], [join("a", 2), join("b", 2)], state=state, expected=expected)
+    assert plan_close(not_warming, now=10.0, bounds=BOUNDS) == Wait("expected membership g5: waiting for c")
+    two = ExpectedMembership(generation=5, nodes=["a", "c"], reason="grow")
+    short = dataclasses.replace(v, expected=two, joins={"a": join("a", 2)})
+    assert isinstance(plan_close(short, now=10.0, bounds=BOUNDS), Wait)
+
+
 def test_expected_membership_leaves_a_waiting_spare_waiting_rather_than_sending_it_away() -> None:
     """The controller's round [a, b] leaves out c, a member of the last round (told to go),
     and d, a node that never had a place (a spare of a job at its max): d is not excluded, and
