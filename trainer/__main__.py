@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-import structlog
 
-from regroup.failures import failure_kind, record_failure
-from regroup.telemetry import LineAtomicStderr, configure_logging
-from regroup.elastic.world.batching import BatchSplitError
-from regroup.elastic.settings import ConfigError
-from regroup.trainer.config_loading import load_config
-from regroup.elastic.world.stopping import hard_exit
+def _stopped_while_starting(signum: int, frame: object) -> None:
+    """SIGINT before the run takes signals over (an agent stopping a worker that is still
+    importing torch): exit 128+signal quietly, not with a ``KeyboardInterrupt`` traceback."""
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGINT, _stopped_while_starting)
+
+import structlog  # noqa: E402 - after the handler: the imports below take seconds
+
+from regroup.failures import failure_kind, record_failure  # noqa: E402
+from regroup.telemetry import LineAtomicStderr, configure_logging  # noqa: E402
+from regroup.elastic.world.batching import BatchSplitError  # noqa: E402
+from regroup.elastic.settings import ConfigError  # noqa: E402
+from regroup.trainer.config_loading import load_config  # noqa: E402
+from regroup.elastic.world.stopping import hard_exit  # noqa: E402
 
 log = structlog.get_logger("regroup.trainer")
 
