@@ -57,10 +57,6 @@ class Fleet:
         hosts = self.hosts
         return len({hosts.get(name, name) for name in self.node_pods}) if hosts else len(self.node_pods)
 
-    def host_of(self, key: str) -> str:
-        """The node a member key names: its pod's node for a pod-named member, else itself."""
-        return self.hosts.get(key, key)
-
     def jobs_on(self, node: str) -> set[JobId]:
         """Jobs with a pod or a member on ``node``."""
         jobs = {self.pod_job[key] for key in self.node_pods.get(node, ()) if key in self.pod_job}
