@@ -15,8 +15,16 @@ import sys
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
     """SIGINT before the run takes signals over (an agent stopping a worker that is still
-    importing torch): exit 128+signal quietly, not with a ``KeyboardInterrupt`` traceback."""
-    raise SystemExit(128 + signum)
+    importing torch): exit 128+signal at once and quietly. Not with an exception: raised in
+    the middle of an import it surfaces as a traceback (``KeyboardInterrupt``, or wrapped by
+    the import machinery, as a ``SystemExit`` inside a class body becomes a ``RuntimeError``).
+    Nothing has started yet that an exit could cut short."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(128 + signum)
 
 
 signal.signal(signal.SIGINT, _stopped_while_starting)
