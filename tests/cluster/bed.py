@@ -93,13 +93,13 @@ class Bed:
     # -- the workload ------------------------------------------------------------------------
 
     def add(
-        self, node: str, *, pod: str = "", restart_policy: str = "Always", min_nodes: int = 1, max_nodes: int = 0
+        self, node: str, *, pod_name: str = "", restart_policy: str = "Always", min_nodes: int = 1, max_nodes: int = 0
     ) -> str:
-        """A node and a worker pod of the job bound to it (``pod``: its name, default
+        """A node and a worker pod of the job bound to it (``pod_name``: its name, default
         ``<job>-<node>``); the kubelet starts its agent."""
         if self.api.get("Node", node) is None:
             self.api.create(objects.node(node))
-        name = pod or f"{JOB}-{node}"
+        name = pod_name or f"{JOB}-{node}"
         notes = {
             "regroup.dev/min-nodes": str(min_nodes), "regroup.dev/max-nodes": str(max_nodes or self.max_nodes),
             "regroup.dev/checkpoint-timeout": "20s", "regroup.dev/join-window": "1s",
@@ -207,7 +207,7 @@ async def running(
         async with Kubelet(api, nodes, testbed.launch, restart_backoff=timedelta(seconds=0.5)) as kubelet:
             testbed.kubelet = kubelet
             for pod, node in (pods or {f"{JOB}-{n}": n for n in nodes}).items():
-                testbed.add(node, pod=pod, restart_policy=restart_policy)
+                testbed.add(node, pod_name=pod, restart_policy=restart_policy)
             yield testbed
 
 
