@@ -93,12 +93,11 @@ class Fleet:
             self.flagged.add(node.name)
         else:
             self.flagged.discard(node.name)
-        if node.name in self.hosts:
-            pass  # a guest: its node is the one cordoned
-        elif any(t.key == self._cordon_taint for t in node.taints):
-            self.cordoned.add(node.name)
-        else:
-            self.cordoned.discard(node.name)
+        if node.name not in self.hosts:  # a guest's node is the one cordoned, not the guest
+            if any(t.key == self._cordon_taint for t in node.taints):
+                self.cordoned.add(node.name)
+            else:
+                self.cordoned.discard(node.name)
         return old is None or (old.taints, old.ready, old.unschedulable, old.has_gpus) != (
             node.taints, node.ready, node.unschedulable, node.has_gpus
         )

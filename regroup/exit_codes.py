@@ -8,6 +8,10 @@ goes on never exits 0.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 FINISHED = 0
 """The job is over (its rendezvous is closed): every node exits 0."""
 
@@ -19,3 +23,12 @@ not count it, and a Job's ``podFailurePolicy`` can ``Ignore`` it so the index co
 
 NOT_FAILURES = frozenset({FINISHED, LEFT_JOB})
 """Exit codes that never count as a crash of the node."""
+
+
+def hard_exit(code: int) -> None:
+    """Exit now, without joining background threads (an unfinished save must not block) and
+    without unwinding (a signal in the middle of an import must not print a traceback)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)

@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 
+from regroup.exit_codes import hard_exit  # no torch: safe before the handler
+
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
     """SIGINT before the run takes signals over (an agent stopping a worker that is still
@@ -19,12 +21,7 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
     the middle of an import it surfaces as a traceback (``KeyboardInterrupt``, or wrapped by
     the import machinery, as a ``SystemExit`` inside a class body becomes a ``RuntimeError``).
     Nothing has started yet that an exit could cut short."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(128 + signum)
+    hard_exit(128 + signum)
 
 
 signal.signal(signal.SIGINT, _stopped_while_starting)
@@ -36,7 +33,6 @@ from regroup.telemetry import LineAtomicStderr, configure_logging  # noqa: E402
 from regroup.elastic.world.batching import BatchSplitError  # noqa: E402
 from regroup.elastic.settings import ConfigError  # noqa: E402
 from regroup.trainer.config_loading import load_config  # noqa: E402
-from regroup.elastic.world.stopping import hard_exit  # noqa: E402
 
 log = structlog.get_logger("regroup.trainer")
 

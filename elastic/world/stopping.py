@@ -14,13 +14,14 @@ import contextlib
 import faulthandler
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
 
 import structlog
+
+from regroup.exit_codes import hard_exit
 
 log = structlog.get_logger("regroup.trainer.stopping")
 
@@ -30,16 +31,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def exit_code(signum: int) -> int:
     """Exit status of a process ended by ``signum`` (shell convention 128 + n)."""
     return 128 + signum
-
-
-def hard_exit(code: int) -> None:
-    """Exit now, without joining background threads (an unfinished save must not block)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 class StopSignal:

@@ -162,6 +162,38 @@ def finish_and_compare(
     assert sorted(trained) == list(range(steps * global_batch)), "no sample skipped"
 
 
+@contextlib.contextmanager
+def four_nodes(etcd: EtcdServer, tmp_path: Path, env: dict[str, str], checkpoint_every: int) -> Iterator[InPlaceJob]:
+    """The four nodes training with a snapshot every step and a checkpoint every
+    ``checkpoint_every`` steps (0: at the end), sample logs on; ended after the block."""
+    trainer = {
+        **COMMON,
+        "snapshot": {"every": 1},
+        "checkpoint": {"dir": str(tmp_path / "job" / "ckpt"), "every_steps": checkpoint_every},
+        "data": {"sample_log": str(tmp_path / "job" / "samples")},
+    }
+    job = InPlaceJob(etcd.endpoint, tmp_path / "job", env, trainer=trainer)
+    try:
+        job.expect(1, NODES, "start")  # the first world holds all four, like the run compared with
+        for node in NODES:
+            job.start(node, nnodes=f"1:{len(NODES)}")
+        yield job
+    finally:
+        job.close()
+
+
+def lose_one(job: InPlaceJob, rng: random.Random) -> tuple[str, Progress]:
+    """A node picked by ``rng`` SIGKILLed at a step it picks too; (that node, the first
+    progress of the three once they counted a step)."""
+    lost, kill_at = rng.choice(NODES), rng.randint(6, 10)
+    job.await_progress(f"4 ranks past step {kill_at}", lambda p: p.world_size == 4 and p.step >= kill_at)
+    job.kill_node(lost)
+    shrunk = job.await_progress(
+        "training at 3 ranks", lambda p: p.world_size == 3 and p.step > p.resumed_from_step, timeout=120
+    )
+    return lost, shrunk
+
+
 def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_falls_back(
     etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str], straight: StraightRun
 ) -> None:
@@ -170,23 +202,8 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
     one rank's shards are nowhere in memory, and the last survivor loads the last commit.
     The run ends where the run that never lost a node ends."""
     rng = random.Random(1307)
-    lost, kill_at = rng.choice(NODES), rng.randint(6, 10)
-    trainer = {
-        **COMMON,
-        "snapshot": {"every": 1},
-        "checkpoint": {"dir": str(tmp_path / "job" / "ckpt"), "every_steps": 4},
-        "data": {"sample_log": str(tmp_path / "job" / "samples")},
-    }
-    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
-    try:
-        job.expect(1, NODES, "start")  # the first world holds all four, like the run compared with
-        for node in NODES:
-            job.start(node, nnodes=f"1:{len(NODES)}")
-        job.await_progress(f"4 ranks past step {kill_at}", lambda p: p.world_size == 4 and p.step >= kill_at)
-        job.kill_node(lost)
-        shrunk = job.await_progress(
-            "training at 3 ranks", lambda p: p.world_size == 3 and p.step > p.resumed_from_step, timeout=120
-        )
+    with four_nodes(etcd, tmp_path, worker_env, checkpoint_every=4) as job:
+        lost, shrunk = lose_one(job, rng)
         assert shrunk.reform_mode == "in-place"
         assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
         lost_steps = _lost_steps(job, shrunk)
@@ -209,8 +226,6 @@ def test_a_node_lost_without_notice_costs_at_most_one_step_and_its_buddy_too_fal
         # four) completed is trained again.
         assert _lost_steps(job, fallen, worlds=(4, 3)) >= 0
         finish_and_compare(job, [left[0]], straight, tmp_path)
-    finally:
-        job.close()
 
 
 def test_a_node_lost_in_a_re_formed_worlds_first_step_costs_at_most_one_step(
@@ -223,23 +238,8 @@ def test_a_node_lost_in_a_re_formed_worlds_first_step_costs_at_most_one_step(
     used to wait for the host buffers and a boundary, and such a loss went back to the last
     checkpoint (here: none since the start)."""
     rng = random.Random(4111)
-    first, kill_at = rng.choice(NODES), rng.randint(6, 10)
-    trainer = {
-        **COMMON,
-        "snapshot": {"every": 1},
-        "checkpoint": {"dir": str(tmp_path / "job" / "ckpt"), "every_steps": 0},
-        "data": {"sample_log": str(tmp_path / "job" / "samples")},
-    }
-    job = InPlaceJob(etcd.endpoint, tmp_path / "job", worker_env, trainer=trainer)
-    try:
-        job.expect(1, NODES, "start")
-        for node in NODES:
-            job.start(node, nnodes=f"1:{len(NODES)}")
-        job.await_progress(f"4 ranks past step {kill_at}", lambda p: p.world_size == 4 and p.step >= kill_at)
-        job.kill_node(first)
-        shrunk = job.await_progress(
-            "3 ranks counting a step", lambda p: p.world_size == 3 and p.step > p.resumed_from_step, timeout=120
-        )
+    with four_nodes(etcd, tmp_path, worker_env, checkpoint_every=0) as job:
+        first, shrunk = lose_one(job, rng)
         left = [n for n in NODES if n != first]
         second = rng.choice(left)
         job.kill_node(second)
@@ -252,8 +252,6 @@ def test_a_node_lost_in_a_re_formed_worlds_first_step_costs_at_most_one_step(
         assert lost_steps <= 1, f"{lost_steps} steps lost: resumed from {fallen.resumed_from_step}"
         restored = [e for n in left for e in job.events(n, "snapshot of the restored state")]
         assert {e["step"] for e in restored if e["world_size"] == 3} == {shrunk.resumed_from_step}, restored
-    finally:
-        job.close()
 
 
 @pytest.mark.parametrize(
