@@ -204,6 +204,10 @@ class CheckpointRequest(Record):
     reason: str = ""
     traceparent: str = ""
     requested_at: float = 0.0
+    leaving: list[str] = field(default_factory=list)
+    """The members (node names, or pod names with ``regroup.dev/member: pod``) the re-form
+    that follows leaves out. Answered from memory, their ranks hand what they hold to
+    staying ranks before the ack, so a rank lost after it costs no step."""
 
 
 @dataclass(frozen=True)

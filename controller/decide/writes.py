@@ -48,6 +48,7 @@ def checkpoint_request(plan: ReformPlan) -> CheckpointRequest:
         reason=plan.reason,
         traceparent=traceparent(plan.trace_id, ReformPhase.CHECKPOINT.value),
         requested_at=plan.checkpoint_requested_at,
+        leaving=sorted(set(plan.nodes_before) - set(plan.nodes_after)),
     )
 
 

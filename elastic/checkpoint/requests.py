@@ -22,6 +22,8 @@ from regroup.elastic.world.boundary import agree
 from regroup.elastic.checkpoint.folders import checkpoint_id, folder_bytes, step_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from opentelemetry.trace import Tracer
 
     from regroup.rendezvous.inplace.world import ElasticWorld
@@ -56,6 +58,8 @@ class CheckpointRequests:
     cfg: Options
     world: ElasticWorld | None
     session: Session
+    secure_leavers: Callable[[CheckpointRequest | None], None]
+    _secured: object
 
     def acks_from_memory(self) -> bool:
         """Whether a request is answered from memory (the module docstring): the re-form
@@ -89,6 +93,10 @@ class CheckpointRequests:
                 self.checkpointer.finish()
             elif self.checkpointer.last_committed != step:
                 self.save(wait=True)
+        else:
+            # The ack says the re-form's state is safe: with the leaving ranks' snapshots on
+            # staying ranks, a rank lost before the re-form costs no step either.
+            self.secure_leavers(request)
         duration = time.perf_counter() - started
         self.counters.requests_honoured += 1
         if self.rt.rank == 0:
@@ -147,6 +155,7 @@ class CheckpointRequests:
             if decided.stop:
                 return True
             if not decided.generation:
+                self._secured = None  # the step it secured is left behind
                 if self.counters.state == "holding":
                     log.info("checkpoint hold deadline passed; training on", step=self.state.step)
                     self.counters.state = "training"

@@ -343,6 +343,24 @@ class Snapshots:
         next step runs beside snapshot work."""
         self._active = self.in_flight is not None
 
+    def complete_at(self, step: int) -> None:
+        """Collective, at the agreed boundary of ``step`` (the live state at ``step`` and
+        not stepped further): make the generation of ``step`` complete on every rank and the
+        one to recover from; taken now if this boundary did not. Raises when an exchange
+        failed (a peer went away)."""
+        for _ in range(2):
+            generation = self.in_flight
+            if generation is not None:
+                assert generation.exchanged is not None
+                wait([generation.exchanged])
+                generation.exchanged.result()
+                self.committed, self.in_flight = generation, None
+                self.meter.snapshot_done()
+            if self.committed is not None and self.committed.step == step:
+                break
+            self.take(step)
+        self._active = False
+
     def held(self, wait_s: float = 2.0) -> list[HeldState]:
         """For a re-form after a failure: every generation this rank holds whole, its own and
         its sender's, as states ``redistribute`` can choose from."""

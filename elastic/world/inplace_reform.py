@@ -19,7 +19,9 @@ import structlog
 
 from regroup.rendezvous.inplace.membership import Reform, ReformFailed
 from regroup.elastic.world.boundary import Boundary
-from regroup.elastic.memory.handoff import hand_off
+import torch.distributed as dist
+
+from regroup.elastic.memory.handoff import hand_off, secure
 from regroup.elastic.memory.reshard import HeldState, hold_state
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from regroup.elastic.world.progress import Counters
     from regroup.elastic.memory.snapshot import Snapshots
     from regroup.elastic.world.stopping import StopSignal
+    from regroup.records import CheckpointRequest
 
 log = structlog.get_logger("regroup.trainer")
 
@@ -61,6 +64,9 @@ class InPlaceReforms:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     _fault_step: Callable[[str], int | None]
+    _secured: tuple[int, frozenset[int], list[HeldState]] | None = None
+    """(step, ranks whose state staying ranks hold, what this rank received) of the last
+    ``secure_leavers`` in this world."""
 
     def _reform_due(self) -> bool:
         """Whether this rank's agent announced a re-form (asked before each agreement).
@@ -101,6 +107,28 @@ class InPlaceReforms:
             self.world.reform_begins(why)
         return ended
 
+    def secure_leavers(self, request: CheckpointRequest | None) -> None:
+        """Collective, at the boundary of a planned re-form's memory ack, before the ack:
+        the ranks of the members the request names as leaving send the snapshots they hold
+        of this step to staying ranks (``regroup.elastic.memory.handoff.secure``), so a rank
+        lost between the ack and the re-form costs no step. Nothing without snapshots."""
+        if self.world is None or not self.world.in_place or not self.cfg.reform.in_memory:
+            return
+        box = [list(request.leaving) if request is not None else []]
+        dist.broadcast_object_list(box, src=0, group=self.rt.control_group)
+        names = set(box[0])
+        snapshots = self.snapshots
+        if not names or snapshots is None or not snapshots.ready or self.rt.world_size == 1:
+            return
+        step = self.state.step
+        snapshots.complete_at(step)
+        mine = {h.old_rank: h for h in snapshots.held() if h.step == step}
+        leaving = bool(self.world.member) and self.world.member in names
+        received, ranks = secure(mine, leaving, snapshots.buddy, snapshots.group)
+        self._secured = (step, ranks, received)
+        if ranks and self.rt.rank == 0:
+            log.info("leaving ranks secured their state", step=step, ranks=sorted(ranks), members=sorted(names))
+
     def leave_world(self, clean: bool) -> tuple[list[HeldState], bool]:
         """This run's world is ending: settle its checkpoint, keep what it can of the state in
         memory (its shards, the leaving ranks' handed over, the snapshots) and close what
@@ -124,10 +152,14 @@ class InPlaceReforms:
         if self.snapshots is not None:
             if not leaving and self.cfg.reform.in_memory:
                 # The newest step the survivors hold whole wins: the live state after an agreed
-                # boundary, else the snapshots (a node lost without notice, a failed hand-off).
+                # boundary, else the snapshots (a node lost without notice, a failed hand-off)
+                # and what leaving ranks secured before a planned re-form's ack.
                 held += self.snapshots.held()
+                if self._secured is not None:
+                    held += self._secured[2]
             self.snapshots.close()
             self.snapshots = None
+        self._secured = None
         return held, leaving
 
     def _hold_in_memory(self, clean: bool) -> tuple[list[HeldState], bool]:
@@ -143,8 +175,9 @@ class InPlaceReforms:
             return [], False
         note = self.world.announcement(_ANNOUNCE_WAIT)
         leaving = bool(note is not None and note.pending and note.leaving)
+        secured = self._secured is not None and self._secured[0] == self.state.step and self.rt.rank in self._secured[1]
         try:
-            return hand_off(own, leaving), leaving
+            return hand_off(own, leaving, secured=secured), leaving
         except Exception as exc:  # a peer went away during the hand-off
             log.warning("shard hand-off failed; the checkpoint will be used", why=str(exc)[:200])
             return ([] if leaving else [own]), leaving

@@ -48,6 +48,7 @@ from regroup.rendezvous.joining import ExcludedFromRound, ExcludedTooLong, JoinS
 from regroup.rendezvous.store import RoundAbandoned
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
+    MEMBER_ENV,
     RESTART_ONLY_ENV,
     STANDBY_ENV,
     WAIT_EXPIRED,
@@ -132,6 +133,9 @@ class InPlaceAgent(SigtermNotice, LocalElasticAgent):
         # Workers inherit the agent's environment (as REGROUP_FAILURE_DIR reaches them). With
         # in-place re-forms off they are told so: nothing they do may count on outliving a world.
         os.environ[CHANNEL_ENV] = str(self._channel)
+        member = str(getattr(self._worker_group.spec.rdzv_handler, "node", "") or "")
+        if member:
+            os.environ[MEMBER_ENV] = member
         if in_place:
             os.environ.pop(RESTART_ONLY_ENV, None)
         else:

@@ -24,6 +24,9 @@ T = TypeVar("T")
 
 CHANNEL_ENV = "REGROUP_INPLACE_DIR"
 """Set by the in-place agent in its workers' environment: the channel folder."""
+MEMBER_ENV = "REGROUP_MEMBER"
+"""Set by the in-place agent in its workers' environment: its member key (the node name, or
+the pod name with ``regroup.dev/member: pod``), as the controller's requests name it."""
 STANDBY_ENV = "REGROUP_STANDBY"
 """``1`` when the worker was started before its rank was known: it waits for ``world.json``."""
 RESTART_ONLY_ENV = "REGROUP_RESTART_ONLY"

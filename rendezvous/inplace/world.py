@@ -48,6 +48,7 @@ from regroup.failures import PEER, failed_peer, failure_kind
 from regroup.rendezvous.inplace.abort import abort_groups, forget_failed_formation, sever_connections, socket_inodes
 from regroup.rendezvous.inplace.channel import (
     CHANNEL_ENV,
+    MEMBER_ENV,
     REFORMING,
     RESTART_ONLY_ENV,
     STANDBY_ENV,
@@ -94,6 +95,8 @@ class ElasticWorld:
         channel = env.get(CHANNEL_ENV)
         self.channel = Path(channel) if channel else None
         self.standby = env.get(STANDBY_ENV) == "1"
+        self.member = env.get(MEMBER_ENV, "")
+        """This node's member key, as the controller's requests name it ("" outside an agent)."""
         self.warm = False
         """This worker was up and waiting when its first world was handed out (a standby or
         spare worker): no process was started for that world."""
@@ -363,7 +366,7 @@ class ElasticWorld:
                 return membership
             except Superseded as exc:
                 forget_failed_formation()
-                if stop() or not self._newer_than(membership):
+                if stop():
                     raise ReformFailed(str(exc)) from exc
                 log.info("world superseded while forming; forming the newer one", round=membership.round,
                          why=str(exc)[:200])
@@ -396,6 +399,16 @@ class ElasticWorld:
             if self._newer_than(membership):
                 abort_groups()
                 raise Superseded(f"world of round {membership.round} superseded while forming") from exc
+            if self.in_place and failure_kind(exc) == PEER and self._overdue is not membership:
+                # A member went away while the world formed (its store host or a peer's
+                # connection closed): its agent announces a newer world once the rendezvous
+                # notices. Wait for that one in this process instead of failing the worker,
+                # which would restart it and lose the state it holds in memory.
+                abort_groups()
+                log.warning("a peer went away while the world formed; waiting for the next one",
+                            round=membership.round, error=str(exc)[:200])
+                self._report("waiting", membership.round)
+                raise Superseded(f"world of round {membership.round} lost a member while forming") from exc
             if self._overdue is membership:
                 forget_failed_formation()
                 raise ReformFailed(

@@ -48,7 +48,9 @@ def test_each_reclaim_taint_starts_a_planned_shrink_checkpoint_first(key: str, v
     plans = of(d.actions, WritePlan)
     assert len(plans) == 1 and plans[0].plan.phase == "checkpoint" and plans[0].plan.planned
     assert plans[0].plan.cause == "reclaim" and plans[0].plan.nodes_after == ["n1", "n3"]
-    assert len(of(d.actions, WriteCheckpointRequest)) == 1
+    # The request names the member that leaves: its ranks secure their state before the ack.
+    [request] = of(d.actions, WriteCheckpointRequest)
+    assert request.request.leaving == ["n2"]
     # No re-form before the ack: the checkpoint request precedes the reform request.
     assert not of(d.actions, WriteReform) and not of(d.actions, WriteExpected)
 
@@ -174,7 +176,8 @@ def test_a_joiner_warming_up_is_reported_never_held_for_and_grows_the_job_once_w
     d = decide(s, T0 + 15, S)
     [plan] = of(d.actions, WritePlan)
     assert plan.plan.cause == "grow" and plan.plan.nodes_after == ["n1", "n2", "n3"]
-    assert of(d.actions, WriteCheckpointRequest) and "warming" not in d.reason
+    [request] = of(d.actions, WriteCheckpointRequest)
+    assert request.request.leaving == [] and "warming" not in d.reason  # a grow leaves nobody out
 
 
 def test_grow_after_window_with_room_left_and_clamped_to_max() -> None:

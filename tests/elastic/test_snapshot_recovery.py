@@ -254,6 +254,32 @@ def test_a_node_lost_in_a_re_formed_worlds_first_step_costs_at_most_one_step(
         assert {e["step"] for e in restored if e["world_size"] == 3} == {shrunk.resumed_from_step}, restored
 
 
+def test_a_node_lost_after_a_planned_shrinks_ack_costs_no_step(
+    etcd: EtcdServer, tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    """A planned shrink leaves d out; its checkpoint request names d, and the trainers ack
+    from memory. Then c is SIGKILLed before the re-form: c's shards were on c and, as its
+    buddy's copy, on d, which leaves. Before the ack d sent its snapshots (its own and c's
+    copy) to staying ranks, so a and b rebuild the acked step from memory and lose no step,
+    where they used to find c's shards nowhere and start over from storage (here: nothing)."""
+    with four_nodes(etcd, tmp_path, worker_env, checkpoint_every=0) as job:
+        job.await_progress("4 ranks past step 5", lambda p: p.world_size == 4 and p.step >= 5)
+        ack = job.checkpoint(2, leaving=["d"])
+        assert not ack.stored, ack  # answered from memory: nothing on storage to fall back to
+        (secured,) = [e for n in NODES for e in job.events(n, "leaving ranks secured their state")]
+        assert secured["step"] == ack.step and secured["ranks"] == [NODES.index("d")], secured
+        job.kill_node("c")
+        job.reform(3, ["a", "b"], cause="node-lost")
+        shrunk = job.await_progress(
+            "training at 2 ranks", lambda p: p.world_size == 2 and p.step > p.resumed_from_step, timeout=120
+        )
+        assert shrunk.reform_mode == "in-place"
+        assert "reshard" in shrunk.resume_phases and "load" not in shrunk.resume_phases, shrunk.resume_phases
+        assert shrunk.resumed_from_step == ack.step
+        assert _lost_steps(job, shrunk) == 0
+        assert job.procs["d"].wait(60) == 0, job.log("d")[-3000:]  # d left the job, as planned
+
+
 @pytest.mark.parametrize(
     "snapshot",
     [{}, {"max_every": 3}],

@@ -3,7 +3,9 @@ the settings and the interval ``every: auto`` chooses (from costs passed in)."""
 
 from __future__ import annotations
 
+import random
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +35,7 @@ from regroup.elastic.memory.snapshot_cost import (
     interval_for,
 )
 from regroup.elastic.memory.snapshot_layout import Layout, buddies, layout_for
+from regroup.elastic.memory.handoff import plan_securing, securing_load
 
 
 def _is_rotation(buddy: list[int]) -> bool:
@@ -62,6 +65,37 @@ def test_a_node_with_more_ranks_than_the_rest_still_sends_off_node_where_it_can(
 
 def test_one_node_pairs_ranks_on_it() -> None:
     assert buddies([("", "a"), ("", "a")]) == [1, 0]
+
+
+def test_leaving_ranks_secure_every_state_on_two_staying_ranks_within_the_stated_load() -> None:
+    """Before a planned shrink's ack, whatever the nodes that leave: every old rank's snapshot
+    ends up on ``min(2, staying)`` staying ranks, each move sends what its donor holds (its
+    own or its sender's copy) to a rank that does not hold it yet, and no keeper receives
+    more than ``securing_load`` shares."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        n, per_node = rng.randint(2, 24), rng.choice([1, 2, 4, 8])
+        places = [("zone", f"n{r // per_node}") for r in range(n)]
+        buddy = buddies(places)
+        sender = {b: r for r, b in enumerate(buddy)}
+        nodes = sorted({node for _, node in places})
+        gone = set(rng.sample(nodes, rng.randint(1, len(nodes))))
+        leaving = [node in gone for _, node in places]
+        staying = n - sum(leaving)
+        holders = {r: {h for h in (r, buddy[r]) if not leaving[h]} for r in range(n)}
+        moves = plan_securing(leaving, buddy)
+        for donor, owner, keeper in moves:
+            assert leaving[donor] and not leaving[keeper] and owner in (donor, sender[donor])
+            assert keeper not in holders[owner]
+            holders[owner].add(keeper)
+        assert all(len(h) >= min(2, staying) for h in holders.values())
+        loads = Counter(keeper for _, _, keeper in moves)
+        assert max(loads.values(), default=0) <= securing_load(sum(leaving), staying)
+    # One rank leaving two or more staying: its snapshot and its sender's copy, one share each to two keepers.
+    assert sorted(k for _, _, k in plan_securing([False, False, True, False], [1, 2, 3, 0])) == [0, 3]
+    assert securing_load(1, 3) == 2 and securing_load(0, 3) == 0
+    # Two staying ranks that hold the leaving rank's and its sender's copies already: nothing moves.
+    assert plan_securing([False, True], [1, 0]) == []
 
 
 def test_a_rank_layout_is_derived_from_any_rank_state() -> None:

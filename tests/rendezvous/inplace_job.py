@@ -207,15 +207,17 @@ class InPlaceJob:
         """Say a controller manages the job: agents then leave joins to it (no self-grow)."""
         self._put(self.keys.controller, ControllerPresence(identity="test", since=time.time()).to_json())
 
-    def checkpoint(self, generation: int, timeout: float = 60) -> CheckpointAck:
+    def checkpoint(self, generation: int, timeout: float = 60, leaving: list[str] | None = None) -> CheckpointAck:
         """Ask for a checkpoint with hold, and wait for its ack."""
-        self.ask_checkpoint(generation, timeout)
+        self.ask_checkpoint(generation, timeout, leaving)
         return self.acked(generation, timeout)
 
-    def ask_checkpoint(self, generation: int, timeout: float = 240) -> None:
+    def ask_checkpoint(self, generation: int, timeout: float = 240, leaving: list[str] | None = None) -> None:
         """Ask for a checkpoint with hold, without waiting: the world that reaches a step
-        boundary next (the one being formed, say) saves, acks and holds there."""
-        request = CheckpointRequest(generation=generation, deadline=time.time() + timeout, hold=True, reason="test")
+        boundary next (the one being formed, say) saves, acks and holds there. ``leaving``:
+        the nodes the re-form that follows leaves out, as a controller's planned shrink names them."""
+        request = CheckpointRequest(generation=generation, deadline=time.time() + timeout, hold=True, reason="test",
+                                    leaving=list(leaving or []))  # fmt: skip
         self._put(self.keys.checkpoint, request.to_json())
 
     def acked(self, generation: int, timeout: float = 180) -> CheckpointAck:

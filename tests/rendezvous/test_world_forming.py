@@ -87,6 +87,55 @@ def test_a_world_superseded_while_forming_is_replaced_in_the_same_process(
     assert results[0]["formed"] == 1
 
 
+def _connections_to(port: int) -> int:
+    """Established loopback TCP connections whose far end is ``port`` (Linux ``/proc``)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+def _waiting(channel: Path, round: int) -> bool:
+    report = WorkerReport.read(channel, 0)
+    return report is not None and report.state == "waiting" and report.round == round
+
+
+def test_a_member_lost_while_the_world_forms_leaves_the_survivor_waiting_for_the_next_world(
+    tmp_path: Path, worker_env: dict[str, str]
+) -> None:
+    # Round 2 is a (rank 0, its store's host), b and a third member that has not come yet.
+    # a dies while b waits inside the formation: b's connection to the store closes. b must
+    # wait for the world its agent hands out next, in the same process: a worker that fails
+    # here is restarted and loses the shards it holds in memory for the re-form.
+    p2, p3 = master_port(), master_port()
+    a = _worker(tmp_path / "a", worker_env)
+    b = _worker(tmp_path / "b", worker_env)
+    try:
+        write_atomically(tmp_path / "a" / WORLD_FILE, _world(1, 2, p2, 0, 3))
+        write_atomically(tmp_path / "b" / WORLD_FILE, _world(1, 2, p2, 1, 3))
+        # a's own client and b's: both are inside round 2's formation.
+        wait_until(lambda: _connections_to(p2) >= 2 or a.poll() is not None or b.poll() is not None, 120,
+                   "a and b connected to round 2's store")
+        a.kill()
+        a.wait()
+        wait_until(lambda: _waiting(tmp_path / "b", 2) or b.poll() is not None, 120, "b waiting for the next world")
+        assert b.poll() is None, b.communicate()
+        write_atomically(tmp_path / "b" / WORLD_FILE, _world(2, 3, p3, 0, 1))
+        out, err = b.communicate(timeout=120)
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert b.returncode == 0, err[-3000:]
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["round"], r["world_size"], r["sum"]) for r in results] == [(3, 1, 1)], results
+    assert "a peer went away while the world formed; waiting for the next one" in out + err, out[-3000:]
+
+
 def test_a_world_that_cannot_form_is_given_up_within_the_form_timeout(
     tmp_path: Path, worker_env: dict[str, str]
 ) -> None:
