@@ -144,6 +144,14 @@ def _abandoned(view: JobView, round: int) -> str:
     ]
     if moved_on:
         return f"agents of round {round} moved on to a later round: {_names(moved_on)}"
+    # The controller re-formed the job after the round closed and left a node of it out (it
+    # found the node lost): that node's agent will not come, whatever its lease still says.
+    expected = view.expected
+    if expected is not None and expected.generation > state.expected_generation and view.reform is not None \
+            and view.reform.generation >= expected.generation:
+        dropped = [node for node in state.nodes if node not in expected.nodes]
+        if dropped:
+            return f"the controller's re-form g{expected.generation} leaves out {_names(dropped)} of round {round}"
     return ""
 
 
@@ -333,7 +341,10 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
         missing = [n for n in expected.nodes if n not in joined]
         # A member named that is warming up (its workers restarting since it was named) is
         # not waited for: the others form without it, and it joins a later round once warm.
-        warming = {n for n in missing if (m := view.members.get(n)) is not None and m.warming_since > 0}
+        # So is one that stepped out after it was named (its workers failed; its join record
+        # asks not to be counted): the round would otherwise close with it and wait there
+        # for its new workers to start.
+        warming = {n for n in expected.nodes if (m := view.members.get(n)) is not None and m.warming_since > 0}
         nodes = [n for n in expected.nodes if n not in warming]
         still = [n for n in missing if n not in warming]
         if still or len(nodes) < bounds.min_nodes:

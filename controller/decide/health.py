@@ -326,10 +326,27 @@ def waiting_joiners(s: JobSnapshot, world: AbstractSet[str], health: Health, now
 
 
 def _outside_healthy(s: JobSnapshot, world: AbstractSet[str], health: Health, node: str, m: MemberRecord) -> bool:
-    """A member outside the current round, neither lost, leaving nor in a restart storm."""
+    """A member outside the current round, neither lost, leaving nor in a restart storm,
+    nor the record of a pod that is gone (``older_than_its_pod``)."""
     return m.round != s.world_round and node not in world and not (
-        node in health.lost or node in health.notices or node in health.storm
+        node in health.lost or node in health.notices or node in health.storm or older_than_its_pod(s, m)
     )
+
+
+CLOCK_SLACK_S = 5.0
+"""How far an agent's clock (``joined_at``) may trail the API server's (``creationTimestamp``,
+whole seconds) before its member record counts as older than its pod. An agent registers
+seconds after its pod is created (the container starts, Python and torch load)."""
+
+
+def older_than_its_pod(s: JobSnapshot, member: MemberRecord) -> bool:
+    """Whether the record of a member that took part in a round was written before its pod
+    was created: the pod was deleted and made again under the same name (a node lost and
+    restored, a StatefulSet's pod), and the record is the old pod's agent's, standing until
+    its lease runs out. That agent is gone: no joiner. The new pod's agent registers afresh
+    (round 0, after its pod was created) and is one."""
+    pod = s.pods_by_name.get(member.pod) if member.pod else None
+    return pod is not None and member.round > 0 and 0 < member.joined_at < pod.created_at - CLOCK_SLACK_S
 
 
 def named_dead(s: JobSnapshot, node: str, member: MemberRecord) -> bool:

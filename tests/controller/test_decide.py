@@ -180,6 +180,23 @@ def test_a_joiner_warming_up_is_reported_never_held_for_and_grows_the_job_once_w
     assert request.request.leaving == [] and "warming" not in d.reason  # a grow leaves nobody out
 
 
+def test_the_record_of_a_lost_pods_agent_is_no_joiner_once_the_pod_is_made_again() -> None:
+    """A node lost and restored: its pod is deleted and created again under the same name,
+    while the dead agent's member record stands until its lease runs out. That record is
+    older than the pod: no grow for it (the survivors would hold at the checkpoint for an
+    agent that is not there). The new pod's agent registers afresh and is the joiner."""
+    notes = annotations(2, 3)
+    s = job(("n1", "n2"), notes=notes, round_=2).with_node(NodeInfo("n3")).with_pod(pod("n3", notes, created=T0 + 5))
+    s = s.with_member(member("n3", 1, joined_at=T0 - 30), at=T0 + 5)  # the old agent's: round 1, when it died
+    s, d = step(s, T0 + 20)
+    assert not of(d.actions, WritePlan) and not of(d.actions, WriteCheckpointRequest), d.reason
+    s = s.with_member(member("n3", 0, joined_at=T0 + 12), at=T0 + 21)  # the new pod's agent, registered afresh
+    s, d = step(s, T0 + 40)
+    assert len(of(d.actions, WritePlan)) == 1, d.reason
+    [plan] = of(d.actions, WritePlan)
+    assert plan.plan.cause == "grow" and plan.plan.nodes_after == ["n1", "n2", "n3"]
+
+
 def test_grow_after_window_with_room_left_and_clamped_to_max() -> None:
     notes = annotations(1, 3, join_window="5s")
     s = job(("n1",), notes=notes)

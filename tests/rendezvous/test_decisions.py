@@ -134,6 +134,12 @@ def test_expected_membership_does_not_wait_for_a_member_warming_up() -> None:
     two = ExpectedMembership(generation=5, nodes=["a", "c"], reason="grow")
     short = dataclasses.replace(v, expected=two, joins={"a": join("a", 2)})
     assert isinstance(plan_close(short, now=10.0, bounds=BOUNDS), Wait)
+    # c stepped out after it was named: its join record (asking not to be counted) is there,
+    # its workers restart. The round forms without it rather than with it, where the others
+    # would wait for c's new workers to start before their ranks are assigned.
+    stepped_out = dataclasses.replace(v, joins={"a": join("a", 2), "b": join("b", 2), "c": join("c", 2)})
+    closed = plan_close(stepped_out, now=10.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == ["a", "b"], closed
 
 
 def test_expected_membership_leaves_a_waiting_spare_waiting_rather_than_sending_it_away() -> None:
@@ -263,6 +269,23 @@ def test_a_round_whose_agent_vanished_or_that_was_superseded_is_abandoned() -> N
         "a": member("a"), "b": member("b"), "c": member("c", registered=99.0)})
     assert "gone: c" in round_abandoned(restarted, 4)
     assert "superseded by round 5" in round_abandoned(view(["a", "b"], state=formed(["a", "b"], round=5)), 4)
+
+
+def test_a_round_the_controller_re_formed_without_one_of_its_nodes_is_abandoned() -> None:
+    # Round 4 closed under expected membership g6 with a, b and c; c's node died while the
+    # agents assigned ranks, and the controller, seeing c's pod deleted, re-formed without it
+    # (g7). a and b stop waiting for c at once instead of until c's lease runs out.
+    state = formed(["a", "b", "c"], round=4, expected_generation=6)
+    alive = ["a", "b", "c"]  # c's lease still runs
+    g7 = ExpectedMembership(7, ["a", "b"], "lost c")
+    assert round_abandoned(view(alive, state=state, expected=g7), 4) == ""  # expected alone: no re-form yet
+    reformed = view(alive, state=state, expected=g7, reform=ReformRequest(7, "node-lost"))
+    assert "the controller's re-form g7 leaves out c of round 4" in round_abandoned(reformed, 4)
+    # The membership the round itself consumed does not abandon it, nor one that keeps every node.
+    same = view(alive, state=state, expected=ExpectedMembership(6, ["a", "b"]), reform=ReformRequest(6, "grow"))
+    assert round_abandoned(same, 4) == ""
+    grown = view(alive, state=state, expected=ExpectedMembership(7, ["a", "b", "c", "d"]), reform=ReformRequest(7, "grow"))
+    assert round_abandoned(grown, 4) == ""
 
 
 def test_an_excluded_node_waits_outside_and_its_join_does_not_count_with_or_without_a_controller() -> None:
