@@ -293,6 +293,11 @@ def _round(
         "reason": reason,
     }
     base.update(extra)
+    # The controller writes a re-form's expected membership and its reform request under one
+    # generation, the first before the second: a round that consumed the membership answers
+    # the request too, even when it closed before the request arrived (else its agents would
+    # take that request for a new re-form and form the same round again).
+    base["reform_generation"] = max(base["reform_generation"], base["expected_generation"])  # type: ignore[call-overload]
     return CloseRound(RoundState(**base), view.state_revision)  # type: ignore[arg-type]
 
 
@@ -380,7 +385,12 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
         return _Readiness(None, f"{len(joiners)}/{bounds.min_nodes} nodes joined", joiners=joiners)
     if running:
         return _Readiness(None, f"waiting for running members to rejoin: {_names(running)}", joiners=joiners)
-    registering = [n for n in view.members if n not in joined]
+    # Members that may still join: not those kept out of the job (a reclaimed node, leaving)
+    # nor those whose workers are starting up (warming: they ask to join once up, and a
+    # last call would only hold the others for them).
+    registering = [
+        n for n, m in view.members.items() if n not in joined and n not in view.excluded and not m.warming_since
+    ]
     if not registering and any(j.agent in previous for j in joiners):
         return _Readiness(joiners, "every live member rejoined", joiners=joiners)
     deadline = sorted(j.joined_at for j in joiners)[bounds.min_nodes - 1] + bounds.last_call_s

@@ -113,6 +113,12 @@ def test_expected_membership_closes_exactly_those_nodes_and_excludes_the_rest() 
     assert closed.state.excluded == [aid("b")]
     missing = plan_close(view(["a", "c"], [join("a", 2)], state=state, expected=expected), now=10, bounds=BOUNDS)
     assert isinstance(missing, Wait) and "c" in missing.reason
+    # The round closed before the controller's reform request of the same generation came:
+    # that request is answered by this round, not a new re-form once it arrives.
+    assert closed.state.reform_generation == 3
+    after = view(["a", "c"], state=closed.state, reform=ReformRequest(3, "reclaim"))
+    assert count_waiting(after, closed.state.round, 4) == (0, "")
+    assert count_waiting(view(["a", "c"], state=closed.state, reform=ReformRequest(4, "grow")), closed.state.round, 4)[0]
 
 
 def test_expected_membership_does_not_wait_for_a_member_warming_up() -> None:
@@ -269,6 +275,26 @@ def test_a_round_whose_agent_vanished_or_that_was_superseded_is_abandoned() -> N
         "a": member("a"), "b": member("b"), "c": member("c", registered=99.0)})
     assert "gone: c" in round_abandoned(restarted, 4)
     assert "superseded by round 5" in round_abandoned(view(["a", "b"], state=formed(["a", "b"], round=5)), 4)
+
+
+def test_no_last_call_for_members_that_cannot_join_now() -> None:
+    # Round 1 was a, b, c; d, left out of it, is reclaimed (excluded, its agent still
+    # registered). c's workers failed and restart: it stepped out (warming, its join on
+    # probation). a and b rejoin: nobody else can come soon, so the round closes now instead
+    # of after a last call.
+    state = formed(["a", "b", "c"])
+    excluded = {"d": "taint aws-node-termination-handler/spot-itn (AWS node-termination-handler)"}
+    members = {"a": member("a"), "b": member("b"), "c": dataclasses.replace(member("c"), warming_since=9.0),
+               "d": member("d")}  # fmt: skip
+    stepped_out = dataclasses.replace(join("c", 2, at=9.0), not_before=3600.0)
+    v = dataclasses.replace(view(["a", "b"], [join("a", 2), join("b", 2), stepped_out], state=state,
+                                 excluded=excluded), members=members)  # fmt: skip
+    closed = plan_close(v, now=10.0, bounds=BOUNDS)
+    assert isinstance(closed, CloseRound) and closed.state.nodes == ["a", "b"], closed
+    assert closed.state.reason == "every live member rejoined"
+    # A member that is neither kept out nor warming may still come: the last call waits for it.
+    waiting = plan_close(dataclasses.replace(v, excluded={}), now=10.0, bounds=BOUNDS)
+    assert isinstance(waiting, Wait) and "last call" in waiting.reason, waiting
 
 
 def test_a_round_the_controller_re_formed_without_one_of_its_nodes_is_abandoned() -> None:
