@@ -7,8 +7,8 @@ For each wrapper (FSDP2, DDP) and model size (the trainer's Llama-style decoder,
 1M to 350M parameters: 15 MB to 4.4 GB of model + AdamW state; what fits this machine) it runs ``--ranks``
 processes on gloo through the chain of ``bench.scale.chain``: in-memory snapshots, a node
 replaced at the same size, a loss that shrinks the world, a grow, a planned leave migrated
-to a spare, a planned shrink with its hand-off, a DCP save and a load. For each path and
-size it reports the time, the bytes moved and the rate, beside the same bytes through the
+to a spare (its shards handed over), a planned shrink (the leaving rank's snapshots secured
+before its ack), a DCP save and a load. For each path and size it reports the time, the bytes moved and the rate, beside the same bytes through the
 raw floor in the same run (a plain ``copy_``, plain gloo sends of the same bytes between
 the same ranks, a plain file write and read), and the peak resident memory of the worst
 rank over its state, in steady training with snapshots and during each re-form. A size

@@ -3,7 +3,7 @@
 ``python -m bench.scale.chain SPEC PROC``: one of ``procs`` processes (SPEC is JSON, see
 ``ChainSpec``). They train the trainer's own Llama-style decoder (FSDP2 or DDP, gloo)
 through a chain of worlds, each re-form one path of the in-place re-form as the trainer
-takes it (``hold_state``, ``hand_off``, ``Snapshots``, ``redistribute``, ``Checkpointer``);
+takes it (``hold_state``, ``hand_off``, ``secure``, ``Snapshots``, ``redistribute``, ``Checkpointer``);
 the last process is the one that comes and goes:
 
 1. ``start``: all train; in-memory snapshots at every step (their cost measured);
@@ -11,10 +11,12 @@ the last process is the one that comes and goes:
    its position: the same world size, from the snapshots and buddy copies;
 3. ``shrink-loss``: it is lost again, and the world goes on without it (from snapshots);
 4. ``grow``: it joins fresh at an agreed boundary: the survivors' live state;
-5. ``migrate``: it leaves with notice, hands its shards to a survivor, and a fresh process
-   takes its position (a spare);
-6. ``shrink-planned``: it leaves with notice, handing its shards over, and the world goes
-   on without it; a DCP checkpoint is saved (sync and async);
+5. ``migrate``: it leaves with notice, hands its shards to a survivor at the agreed
+   boundary, and a fresh process takes its position (a spare);
+6. ``shrink-planned``: it leaves with notice and the world goes on without it; as the
+   trainer does when the controller's checkpoint request names the leaving member, it
+   secures its snapshots with the staying ranks before the ack (``secure``) and hands
+   nothing over at the boundary; a DCP checkpoint is saved (sync and async);
 7. ``load``: every process starts afresh and loads that checkpoint.
 
 After each re-form every process records what it moved and how long that took, its
@@ -49,7 +51,7 @@ from regroup.elastic.checkpoint.app_state import AppState, TrainerState
 from regroup.elastic.checkpoint.checkpointer import Checkpointer
 from regroup.elastic.checkpoint.folders import folder_bytes, step_dir
 from regroup.elastic.memory import reshard
-from regroup.elastic.memory.handoff import hand_off
+from regroup.elastic.memory.handoff import hand_off, secure
 from regroup.elastic.memory.host_memory import give_back
 from regroup.elastic.memory.reshard import HeldState, flat_state, forget_old_meshes, hold_state, redistribute, split_state
 from regroup.elastic.memory.snapshot import Snapshots
@@ -316,8 +318,10 @@ class Chain:
     def reform(self, path: str, members: list[int], leave: str) -> Record:
         """Leave the current world the way ``leave`` says, join the next (``members``) and
         restore the state there; ``leave``: ``loss`` (the mover is lost; the others keep
-        their snapshots), ``agreed`` (an agreed boundary: live state and snapshots), or
-        ``handoff`` (an agreed boundary where the mover hands its shards over)."""
+        their snapshots), ``agreed`` (an agreed boundary: live state and snapshots),
+        ``handoff`` (an agreed boundary where the mover hands its shards over), or
+        ``secured`` (the mover sends its snapshots to staying ranks first, as at a planned
+        shrink's ack, and hands nothing over at the boundary)."""
         memory.reset_peak()
         old_world = dist.get_world_size() if self.rt is not None else 0
         handoff_s = 0.0
@@ -330,11 +334,30 @@ class Chain:
             else:
                 own = hold_state(self.model, self.optimizer, self.rt.rank, self.rt.world_size, self.step)
                 self.held = [] if moving else [own]
-                if leave == "handoff":
+                if leave in ("handoff", "secured"):
                     t0 = time.perf_counter()
-                    self.held = hand_off(own, leaving=moving)
+                    received: list[HeldState] = []
+                    if leave == "secured":
+                        snaps = self.snapshots()
+                        snaps.complete_at(self.step)
+                        mine = {h.old_rank: h for h in snaps.held() if h.step == self.step}
+                        received, _ = secure(mine, moving, snaps.buddy, snaps.group)
+                        # What the mover sent (its snapshot and its copy of its sender's), told to all
+                        # (the floor sends the same bytes in one message).
+                        sent = sum(t.numel() * t.element_size() for h in mine.values() for t in h.tensors.values())
+                        total = torch.tensor([sent if moving else 0])
+                        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+                        shards = int(total.item())
+                        del mine, snaps  # the snapshots' buffers go with the old world
+                    else:
+                        shards = sum(own.tensors[k].numel() * own.tensors[k].element_size() for k in own.sharded)
+                    self.held = hand_off(own, leaving=moving, secured=leave == "secured") + received
+                    if leave == "secured":
+                        handed["secured_received_bytes"] = sum(
+                            t.numel() * t.element_size() for h in received for t in h.tensors.values()
+                        )
+                    del received  # kept in ``self.held`` only
                     handoff_s = time.perf_counter() - t0
-                    shards = sum(own.tensors[k].numel() * own.tensors[k].element_size() for k in own.sharded)
                     if moving:
                         handed["handoff_bytes"] = shards
                     if self.spec.floors:
@@ -470,7 +493,7 @@ class Chain:
         self.settle()
         self.records.append(self.reform("migrate", everyone, "handoff"))
         self.settle()
-        self.records.append(self.reform("shrink-planned", survivors, "handoff"))
+        self.records.append(self.reform("shrink-planned", survivors, "secured"))
         saved: dict[str, Any] = {}
         if self.rt is not None:
             self.train_step()

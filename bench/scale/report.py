@@ -81,7 +81,9 @@ def summarize(wrap: str, size: str, params: int, records: list[list[dict[str, An
         }
         if path in ("migrate", "shrink-planned"):
             handoff = max(r["extra"]["handoff_s"] for r in members)
-            handed = max((r["extra"].get("handoff_bytes", 0) for proc in records for r in proc), default=0)
+            handed = max(
+                (r["extra"].get("handoff_bytes", 0) for proc in records for r in proc if r["path"] == path), default=0
+            )
             floor_handoff = max(r["extra"].get("floor_handoff_s", 0.0) for r in members)
             entry["handoff"] = {
                 "bytes": handed,
@@ -145,16 +147,18 @@ def render(rows: list[dict[str, Any]], notes: list[str], machine: str) -> str:
             )
     lines += [
         "",
-        "| wrap | model | hand-off (planned leave) | x floor | DCP save (sync) | x floor | DCP load | x floor "
-        "| async staging | async extra memory / state |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| wrap | model | hand-off at the boundary (migrate) | x floor | secured before the ack (planned shrink) "
+        "| x floor | DCP save (sync) | x floor | DCP load | x floor | async staging | async extra memory / state |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        handoff = row["paths"]["shrink-planned"].get("handoff", {})
+        handoff = row["paths"]["migrate"].get("handoff", {})
+        secured = row["paths"]["shrink-planned"].get("handoff", {})
         dcp = row["dcp"]
         lines.append(
             f"| {row['wrap']} | {row['size']} | {_mb(handoff.get('bytes', 0))} in {handoff.get('seconds', 0):.3f} s "
-            f"| {_x(handoff.get('floor_ratio'))} | {_mb(dcp['bytes'])} in {dcp['save_s']:.2f} s | {_x(dcp['save_ratio'])} "
+            f"| {_x(handoff.get('floor_ratio'))} | {_mb(secured.get('bytes', 0))} in {secured.get('seconds', 0):.3f} s "
+            f"| {_x(secured.get('floor_ratio'))} | {_mb(dcp['bytes'])} in {dcp['save_s']:.2f} s | {_x(dcp['save_ratio'])} "
             f"| {dcp['load_s']:.2f} s | {_x(dcp['load_ratio'])} | {dcp['async_staged_s']:.2f} s "
             f"| {dcp['async_extra_x_state']:.2f}x |"
         )

@@ -16,11 +16,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import structlog
+import torch.distributed as dist
 
 from regroup.rendezvous.inplace.membership import Reform, ReformFailed
 from regroup.elastic.world.boundary import Boundary
-import torch.distributed as dist
-
 from regroup.elastic.memory.handoff import hand_off, secure
 from regroup.elastic.memory.reshard import HeldState, hold_state
 

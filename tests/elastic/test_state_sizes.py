@@ -3,8 +3,9 @@
 Three real processes on gloo run the chain of ``bench.scale.chain`` once per wrapper: a
 node lost and replaced by a fresh process at the same size (snapshots and buddy copies),
 lost again and the world shrinks (snapshots), a grow at an agreed boundary (live state),
-a planned leave migrated to a fresh process (hand-off) and one that shrinks the world
-(hand-off), then a DCP checkpoint saved and loaded by fresh processes. The model is the
+a planned leave migrated to a fresh process (hand-off at the boundary) and one that
+shrinks the world (the leaving rank's snapshots secured with the staying ranks first, as at
+a planned shrink's ack), then a DCP checkpoint saved and loaded by fresh processes. The model is the
 trainer's Llama-style decoder with about 27M parameters: 321 MB of model + AdamW state in
 all (FSDP2: a third on each rank; DDP: all of it on each rank).
 
@@ -24,6 +25,7 @@ import pytest
 
 from bench.scale.launch import run_chain
 from bench.scale.report import chart, render, summarize
+from regroup.elastic.memory.handoff import securing_load
 from tests.scratch import scratch
 
 MODEL = {"vocab_size": 1000, "dim": 512, "n_layers": 8, "n_heads": 4, "seq_len": 16}
@@ -125,6 +127,18 @@ def test_a_re_form_peaks_within_what_the_docs_state(chain: Records) -> None:
             bound = record["state_bytes"] + (handed if record["path"] in ("migrate", "shrink-planned") else 0)
             assert extra <= bound + 2 * BUCKET + 0.1 * steady, (record["path"], extra, bound)
             assert record["peak_rss"] <= 1.5 * steady, record["path"]
+
+
+def test_a_planned_shrink_secures_the_leaving_ranks_snapshots_within_the_stated_load(chain: Records) -> None:
+    """docs/trainer.md ("Host memory"): before a planned shrink's ack the leaving rank sends
+    its snapshot and its copy of its sender's to the staying ranks; each keeper receives at
+    most ``securing_load`` snapshot shares, and between them they receive all it sent."""
+    share = chain[0][0]["extra"]["snapshot_bytes"]  # a rank's own copy of one generation (U)
+    members = _members(chain, "shrink-planned")
+    received = [r["extra"]["secured_received_bytes"] for r in members]
+    sent = max(r["extra"].get("handoff_bytes", 0) for rs in chain for r in rs if r["path"] == "shrink-planned")
+    assert sent > 0 and sum(received) == sent, (received, sent)
+    assert max(received) <= securing_load(1, len(members)) * share * 1.01 + (1 << 20), (received, share)
 
 
 def test_the_benchmark_reads_the_run_into_one_row_per_size_with_every_path(chain: Records, tmp_path: Path) -> None:
