@@ -11,12 +11,9 @@ the last process is the one that comes and goes:
    its position: the same world size, from the snapshots and buddy copies;
 3. ``shrink-loss``: it is lost again, and the world goes on without it (from snapshots);
 4. ``grow``: it joins fresh at an agreed boundary: the survivors' live state;
-5. ``migrate``: it leaves with notice, hands its shards to a survivor at the agreed
-   boundary, and a fresh process takes its position (a spare);
-6. ``shrink-planned``: it leaves with notice and the world goes on without it; as the
-   trainer does when the controller's checkpoint request names the leaving member, it
-   secures its snapshots with the staying ranks before the ack (``secure``) and hands
-   nothing over at the boundary; a DCP checkpoint is saved (sync and async);
+5. ``migrate``: it leaves with notice, hands its shards over, a spare takes its position;
+6. ``shrink-planned``: it leaves with notice, its snapshots secured with the staying ranks
+   first (``secure``, as at a planned shrink's ack); a DCP checkpoint is saved (sync, async);
 7. ``load``: every process starts afresh and loads that checkpoint.
 
 After each re-form every process records what it moved and how long that took, its
@@ -319,9 +316,8 @@ class Chain:
         """Leave the current world the way ``leave`` says, join the next (``members``) and
         restore the state there; ``leave``: ``loss`` (the mover is lost; the others keep
         their snapshots), ``agreed`` (an agreed boundary: live state and snapshots),
-        ``handoff`` (an agreed boundary where the mover hands its shards over), or
-        ``secured`` (the mover sends its snapshots to staying ranks first, as at a planned
-        shrink's ack, and hands nothing over at the boundary)."""
+        ``handoff`` (the mover hands its shards over there) or ``secured`` (it secures its
+        snapshots first, and hands nothing over)."""
         memory.reset_peak()
         old_world = dist.get_world_size() if self.rt is not None else 0
         handoff_s = 0.0
@@ -336,27 +332,16 @@ class Chain:
                 self.held = [] if moving else [own]
                 if leave in ("handoff", "secured"):
                     t0 = time.perf_counter()
-                    received: list[HeldState] = []
+                    shards = sum(own.tensors[k].numel() * own.tensors[k].element_size() for k in own.sharded)
                     if leave == "secured":
-                        snaps = self.snapshots()
-                        snaps.complete_at(self.step)
-                        mine = {h.old_rank: h for h in snaps.held() if h.step == self.step}
-                        received, _ = secure(mine, moving, snaps.buddy, snaps.group)
-                        # What the mover sent (its snapshot and its copy of its sender's), told to all
-                        # (the floor sends the same bytes in one message).
-                        sent = sum(t.numel() * t.element_size() for h in mine.values() for t in h.tensors.values())
-                        total = torch.tensor([sent if moving else 0])
+                        done = secure(self.snapshots(), self.step, moving)
+                        self.held += done.received  # kept there only
+                        handed["secured_received_bytes"] = sum(t.nbytes for h in done.received for t in h.tensors.values())
+                        total = torch.tensor([done.sent_bytes])  # told to all: the floor sends it in one message
                         dist.all_reduce(total, op=dist.ReduceOp.MAX)
                         shards = int(total.item())
-                        del mine, snaps  # the snapshots' buffers go with the old world
-                    else:
-                        shards = sum(own.tensors[k].numel() * own.tensors[k].element_size() for k in own.sharded)
-                    self.held = hand_off(own, leaving=moving, secured=leave == "secured") + received
-                    if leave == "secured":
-                        handed["secured_received_bytes"] = sum(
-                            t.numel() * t.element_size() for h in received for t in h.tensors.values()
-                        )
-                    del received  # kept in ``self.held`` only
+                        del done
+                    self.held = hand_off(own, leaving=moving, secured=leave == "secured") + self.held[1:]  # + secured
                     handoff_s = time.perf_counter() - t0
                     if moving:
                         handed["handoff_bytes"] = shards

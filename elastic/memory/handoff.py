@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from regroup.elastic.memory import reshard
 from regroup.elastic.memory.reshard import CHUNK, NONE, HeldState
 from regroup.elastic.memory.reshard_plan import Entry, Message, Piece, plan_messages
 from regroup.elastic.memory.reshard_transfer import carry_out
+
+if TYPE_CHECKING:
+    from regroup.elastic.memory.snapshot import Snapshots
 
 
 def hand_off(
@@ -101,25 +105,38 @@ def securing_load(leaving: int, staying: int) -> int:
     return math.ceil(2 * leaving / staying) + 1 if leaving and staying else 0
 
 
-def secure(
-    held: dict[int, HeldState], leaving: bool, buddy: Sequence[int], group: dist.ProcessGroup | None = None
-) -> tuple[list[HeldState], frozenset[int]]:
-    """Collective over the world, at a planned re-form's ack: the leaving ranks send the
-    snapshots they hold of the acked step (``held``: old rank -> state; its own and its
-    sender's) as ``plan_securing`` says. Returns (the states this rank received, the ranks
-    whose state is now with staying ranks: the leaving ones)."""
+@dataclass(frozen=True)
+class Secured:
+    """What ``secure`` did on this rank."""
+
+    received: list[HeldState]
+    """The snapshot states leaving ranks sent to this rank."""
+    ranks: frozenset[int]
+    """The ranks whose state staying ranks now hold: the leaving ones (none if all or none leave)."""
+    sent_bytes: int
+    """What this rank sent."""
+
+
+def secure(snapshots: Snapshots, step: int, leaving: bool) -> Secured:
+    """Collective over the world, at a planned re-form's ack (the boundary of ``step``): the
+    generation of ``step`` complete on every rank (``Snapshots.complete_at``), the leaving
+    ranks send the snapshots they hold of it (their own and their sender's copy) as
+    ``plan_securing`` says, over the snapshots' group."""
+    snapshots.complete_at(step)
+    held = {h.old_rank: h for h in snapshots.held() if h.step == step}
+    group = snapshots.group
     flags: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, bool(leaving), group=group)
-    moves = plan_securing(flags, buddy)
     me = dist.get_rank(group)
-    received = []
-    for donor, owner, keeper in moves:
+    received, sent = [], 0
+    for donor, owner, keeper in plan_securing(flags, snapshots.buddy):
         if me == donor:
             _send(held[owner], keeper, group, whole=True)
+            sent += sum(t.numel() * t.element_size() for t in held[owner].tensors.values())
         elif me == keeper:
             received.append(_receive(donor, group))
-    secured = frozenset(r for r, flag in enumerate(flags) if flag) if len(set(flags)) > 1 else frozenset()
-    return received, secured
+    ranks = frozenset(r for r, flag in enumerate(flags) if flag) if len(set(flags)) > 1 else frozenset()
+    return Secured(received, ranks, sent)
 
 
 def _by_dtype(local: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[torch.dtype, list[str]]:

@@ -45,25 +45,21 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from regroup.rendezvous.inplace.formation import side_group
 from regroup.elastic.settings import ConfigError
 from regroup.elastic.memory.reshard import CHUNK, HeldState, flat_state, split_state
 from regroup.elastic.memory.reshard_plan import flat_span
 from regroup.elastic.memory.snapshot_cost import (
-    REFORM_HEADROOM,
     SNAPSHOT_COPIES,
     CostMeter,
     Interval,
     SnapshotMemoryError,
-    check_host_memory,
-    host_memory_available,
     interval_for,
+    memory_refusal,
     share_bytes,
-    state_bytes,
 )
-from regroup.elastic.memory.snapshot_layout import STAMP, Layout, buddies, layout_for
+from regroup.elastic.memory.snapshot_layout import STAMP, Layout, buddies, layout_for, setting_keys
 
 log = structlog.get_logger("regroup.trainer.snapshot")
 
@@ -137,12 +133,7 @@ class Snapshots:
         self.host_bytes = SNAPSHOT_COPIES * share_bytes(model, world_size)
         """Host memory the snapshots take on this rank (own and received, both generations)."""
         self.group = side_group(timeout)
-        refusal = None
-        try:
-            reform = int(REFORM_HEADROOM * state_bytes(model))
-            check_host_memory(self.host_bytes, reform, ranks_on_node, host_memory_available())
-        except SnapshotMemoryError as exc:
-            refusal = str(exc)
+        refusal = memory_refusal(model, self.host_bytes, ranks_on_node)
         gathered: list[Any] = [None] * world_size
         has_state = bool(optimizer.state)
         dist.all_gather_object(gathered, (tuple(place), refusal, has_state), group=self.group)
@@ -344,10 +335,9 @@ class Snapshots:
         self._active = self.in_flight is not None
 
     def complete_at(self, step: int) -> None:
-        """Collective, at the agreed boundary of ``step`` (the live state at ``step`` and
-        not stepped further): make the generation of ``step`` complete on every rank and the
-        one to recover from; taken now if this boundary did not. Raises when an exchange
-        failed (a peer went away)."""
+        """Collective, at the agreed boundary of ``step`` (not stepped further): the generation
+        of ``step``, taken now if it was not, complete on every rank and the one to recover
+        from. Raises when an exchange failed (a peer went away)."""
         for _ in range(2):
             generation = self.in_flight
             if generation is not None:
@@ -413,7 +403,7 @@ class Snapshots:
             raise ValueError("snapshot: this rank's shards are not the torch.chunk rows of its parameters")
         self._own_layout, self._sender_layout = own, layout_for(template, self.sender, self.world_size)
         self._sources, self._template = sources, template
-        self._settings = _setting_keys(self.model, self.optimizer, flat.values)
+        self._settings = setting_keys(self.model, self.optimizer, flat.values)
 
     def _allocate(self) -> None:
         self._own = [self._buffer(self._own_layout.nbytes) for _ in range(GENERATIONS)]
@@ -503,16 +493,3 @@ class Snapshots:
         values = {**t.values, **generation.values}
         return HeldState(rank, self.world_size, generation.step, layout.views(buffer), t.sharded, t.shapes, values, CHUNK)
 
-
-def _setting_keys(model: nn.Module, optimizer: torch.optim.Optimizer, values: dict[str, Any]) -> dict[str, tuple[int, str]]:
-    """Each param-group setting's flat key (``optim/param_groups.<fqn>.<name>``) -> (group
-    index, name), so a snapshot reads the settings of its step straight from the optimizer."""
-    _, optim_state = get_state_dict(model, optimizer)
-    keys: dict[str, tuple[int, str]] = {}
-    for index, group in enumerate(optim_state["param_groups"]):
-        for fqn in group["params"]:
-            for name in group:
-                key = f"optim/param_groups.{fqn}.{name}"
-                if name != "params" and key in values:
-                    keys[key] = (index, name)
-    return keys

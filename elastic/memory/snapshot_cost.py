@@ -50,6 +50,17 @@ world's state is held. Measured by ``bench scale`` at every path and size
 (docs/benchmarks.md) and asserted by tests/elastic/test_state_sizes.py."""
 
 
+def memory_refusal(model: nn.Module, host_bytes: int, ranks_on_node: int) -> str | None:
+    """Why this node's host memory cannot hold ``host_bytes`` of snapshots and a re-form's
+    peak for each of its ``ranks_on_node`` ranks (``check_host_memory``); None if it can."""
+    try:
+        reform = int(REFORM_HEADROOM * state_bytes(model))
+        check_host_memory(host_bytes, reform, ranks_on_node, host_memory_available())
+    except SnapshotMemoryError as exc:
+        return str(exc)
+    return None
+
+
 def check_host_memory(snapshots: int, reform: int, ranks_on_node: int, available: int) -> None:
     """Refuse (``SnapshotMemoryError``) when what the node's ranks add to their training
     state, ``snapshots`` and ``reform`` bytes each, would not fit in 90% of the host memory

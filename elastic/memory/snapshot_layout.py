@@ -1,13 +1,17 @@
-"""Where snapshots sit: one rank's shards laid out in a flat host buffer, and which rank
-keeps whose copy (its buddy, on another node and, where known, another failure domain)."""
+"""Where snapshots sit: one rank's shards laid out in a flat host buffer, which rank keeps
+whose copy (its buddy, on another node and, where known, another failure domain), and where
+the optimizer keeps each param-group setting a snapshot records."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from regroup.elastic.memory.reshard import HeldState
 from regroup.elastic.memory.reshard_plan import chunk_rows, flat_span
@@ -92,3 +96,17 @@ def buddies(places: Sequence[tuple[str, str]]) -> list[int]:
     for i, rank in enumerate(order):
         buddy[rank] = order[(i + best) % n]
     return buddy
+
+
+def setting_keys(model: nn.Module, optimizer: torch.optim.Optimizer, values: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Each param-group setting's flat key (``optim/param_groups.<fqn>.<name>``) -> (group
+    index, name), so a snapshot reads the settings of its step straight from the optimizer."""
+    _, optim_state = get_state_dict(model, optimizer)
+    keys: dict[str, tuple[int, str]] = {}
+    for index, group in enumerate(optim_state["param_groups"]):
+        for fqn in group["params"]:
+            for name in group:
+                key = f"optim/param_groups.{fqn}.{name}"
+                if name != "params" and key in values:
+                    keys[key] = (index, name)
+    return keys

@@ -120,13 +120,10 @@ class InPlaceReforms:
         if not names or snapshots is None or not snapshots.ready or self.rt.world_size == 1:
             return
         step = self.state.step
-        snapshots.complete_at(step)
-        mine = {h.old_rank: h for h in snapshots.held() if h.step == step}
-        leaving = bool(self.world.member) and self.world.member in names
-        received, ranks = secure(mine, leaving, snapshots.buddy, snapshots.group)
-        self._secured = (step, ranks, received)
-        if ranks and self.rt.rank == 0:
-            log.info("leaving ranks secured their state", step=step, ranks=sorted(ranks), members=sorted(names))
+        done = secure(snapshots, step, leaving=bool(self.world.member) and self.world.member in names)
+        self._secured = (step, done.ranks, done.received)
+        if done.ranks and self.rt.rank == 0:
+            log.info("leaving ranks secured their state", step=step, ranks=sorted(done.ranks), members=sorted(names))
 
     def leave_world(self, clean: bool) -> tuple[list[HeldState], bool]:
         """This run's world is ending: settle its checkpoint, keep what it can of the state in

@@ -347,15 +347,9 @@ class ElasticWorld:
     def _expired(self, what: str, timeout: timedelta, world: NodeWorld | None) -> None:
         """One warning for a wait on the agent that ran out: what for, and what the agent last wrote."""
         membership = self.membership
-        log.warning(
-            WAIT_EXPIRED,
-            waited_for=what,
-            timeout_s=timeout.total_seconds(),
-            local_rank=self.local_rank,
-            rank=membership.rank if membership else None,
-            round=self.round,
-            not_answered=[{"who": "this node's agent (world.json)", **describe_world(world)}],
-        )
+        log.warning(WAIT_EXPIRED, waited_for=what, timeout_s=timeout.total_seconds(), local_rank=self.local_rank,
+                    rank=membership.rank if membership else None, round=self.round,
+                    not_answered=[{"who": "this node's agent (world.json)", **describe_world(world)}])  # fmt: skip
 
     def _form_newest(self, membership: Membership, stop: Callable[[], bool], timeout: timedelta) -> Membership:
         """Form ``membership``; while a newer world supersedes the one forming, form that one
@@ -400,13 +394,11 @@ class ElasticWorld:
                 abort_groups()
                 raise Superseded(f"world of round {membership.round} superseded while forming") from exc
             if self.in_place and failure_kind(exc) == PEER and self._overdue is not membership:
-                # A member went away while the world formed (its store host or a peer's
-                # connection closed): its agent announces a newer world once the rendezvous
-                # notices. Wait for that one in this process instead of failing the worker,
-                # which would restart it and lose the state it holds in memory.
+                # A member went away while it formed: wait here for the newer world its agent
+                # hands out, rather than fail (a restarted worker loses what it holds in memory).
                 abort_groups()
                 log.warning("a peer went away while the world formed; waiting for the next one",
-                            round=membership.round, error=str(exc)[:200])
+                            round=membership.round, error=str(exc)[:200])  # fmt: skip
                 self._report("waiting", membership.round)
                 raise Superseded(f"world of round {membership.round} lost a member while forming") from exc
             if self._overdue is membership:
