@@ -146,9 +146,10 @@ def _abandoned(view: JobView, round: int) -> str:
         return f"agents of round {round} moved on to a later round: {_names(moved_on)}"
     # The controller re-formed the job after the round closed and left a node of it out (it
     # found the node lost): that node's agent will not come, whatever its lease still says.
-    expected = view.expected
-    if expected is not None and expected.generation > state.expected_generation and view.reform is not None \
-            and view.reform.generation >= expected.generation:
+    # Only a membership the next round can take (within the bounds), or rounds would be
+    # given up one after the other without ever consuming it.
+    expected = usable_expected(view, Bounds(state.min_nodes, state.max_nodes, 0.0))
+    if expected is not None and view.reform is not None and view.reform.generation >= expected.generation:
         dropped = [node for node in state.nodes if node not in expected.nodes]
         if dropped:
             return f"the controller's re-form g{expected.generation} leaves out {_names(dropped)} of round {round}"
@@ -353,7 +354,8 @@ def _assess(view: JobView, bounds: Bounds, bench: frozenset[str] = frozenset()) 
         nodes = [n for n in expected.nodes if n not in warming]
         still = [n for n in missing if n not in warming]
         if still or len(nodes) < bounds.min_nodes:
-            return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(still or missing)}")
+            waiting = still or missing or sorted(warming)
+            return _Readiness(None, f"expected membership g{expected.generation}: waiting for {_names(waiting)}")
         by_node = {j.node: j for j in joiners}
         wanted = set(expected.nodes)
         # Members of the last round that the controller leaves out are told to go. A waiting

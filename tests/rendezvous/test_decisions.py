@@ -312,6 +312,10 @@ def test_a_round_the_controller_re_formed_without_one_of_its_nodes_is_abandoned(
     assert round_abandoned(same, 4) == ""
     grown = view(alive, state=state, expected=ExpectedMembership(7, ["a", "b", "c", "d"]), reform=ReformRequest(7, "grow"))
     assert round_abandoned(grown, 4) == ""
+    # One the next round could not take either (below min) abandons nothing: rounds would be
+    # given up one after the other, none consuming it.
+    below = view(alive, state=state, expected=ExpectedMembership(7, ["a"]), reform=ReformRequest(7, "node-lost"))
+    assert round_abandoned(below, 4) == ""
 
 
 def test_an_excluded_node_waits_outside_and_its_join_does_not_count_with_or_without_a_controller() -> None:
