@@ -101,6 +101,7 @@ class JoinLoop:
         watch = self._watch
         joined_for: int | None = None
         excluded_since: float | None = None
+        was_spare = False
         backoff = 0.05
         while True:
             try:
@@ -147,10 +148,14 @@ class JoinLoop:
                         excluded_since = None
                         if self.left_out_at is None:
                             self.alone = ""
-                    if not step.excluded and self._spare(watch.view):
+                    spare = not step.excluded and self._spare(watch.view)
+                    if spare or was_spare:
                         # A spare: the job trains without this agent and it waits for a place
-                        # for as long as the job runs; join_timeout bounds forming a round.
+                        # for as long as the job runs; join_timeout bounds forming a round, from
+                        # the moment a place is free (the wake-up that sees the loss may come
+                        # just at the deadline the last wait set).
                         deadline = max(deadline, loop.time() + self._settings.timeouts.join.total_seconds())
+                    was_spare = spare
                     remaining = deadline - loop.time()
                     if step.excluded or self.left_out_at is not None:
                         # Out of the job, not late: excluded_timeout applies, join_timeout does not.
